@@ -1,0 +1,101 @@
+"""Run a traced graph on the emulated device, as the preset says.
+
+debug and O0 run the graph op by op (debug checks every op for NaN/inf); O1 and above hand it
+to TorchInductor, each level more aggressive than the last. Every executor takes the flat list
+of graph inputs and returns the flat list of graph outputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import torch.fx as fx
+
+from ._source import user_frame_from_stack_trace
+from .errors import NonFiniteError
+from .presets import Preset
+
+Executor = Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]]
+
+
+def build_executor(
+    gm: fx.GraphModule,
+    preset: Preset,
+    device: torch.device,
+    example_args: Sequence[torch.Tensor],
+    cache_dir: Path | None = None,
+) -> Executor:
+    """Make `gm` runnable on `device` under `preset` (compiling now, not on the first call)."""
+    _retarget_devices(gm, device)
+    if preset.executor == "interpreter":
+        if preset.check_finite:
+            return lambda args: _FiniteCheckingInterpreter(gm).run(*args)
+        return lambda args: gm(*args)
+    return _compile_with_inductor(gm, preset, example_args, cache_dir)
+
+
+def _retarget_devices(gm: fx.GraphModule, device: torch.device) -> None:
+    """Tensors the graph creates (zeros, random masks) are created in device memory."""
+    if device.type == "cpu":
+        return
+    for node in gm.graph.nodes:
+        if isinstance(node.kwargs.get("device"), torch.device):
+            node.update_kwarg("device", device)
+    gm.recompile()
+
+
+def _compile_with_inductor(
+    gm: fx.GraphModule, preset: Preset, example_args: Sequence[torch.Tensor], cache_dir
+) -> Executor:
+    from torch._inductor import list_mode_options
+    from torch._inductor.compile_fx import compile_fx
+
+    options = dict(list_mode_options(preset.inductor_mode))
+    options.update(preset.inductor_options)
+    if example_args and example_args[0].device.type != "cuda":
+        options.pop("triton.cudagraphs", None)
+    with _inductor_cache_dir(cache_dir):
+        compiled = compile_fx(gm, list(example_args), config_patches=options)
+    return lambda args: compiled(*args)
+
+
+@contextlib.contextmanager
+def _inductor_cache_dir(cache_dir: Path | None):
+    """Point Inductor's on-disk caches at the user's CacheOptions directory."""
+    if cache_dir is None:
+        yield
+        return
+    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache_dir) / "inductor")
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
+
+
+class _FiniteCheckingInterpreter(fx.Interpreter):
+    """The debug preset: run op by op and stop at the first op that makes NaN or inf."""
+
+    def run_node(self, node: fx.Node):
+        result = super().run_node(node)
+        if node.op == "call_function":
+            for value in result if isinstance(result, (tuple, list)) else (result,):
+                if (
+                    isinstance(value, torch.Tensor)
+                    and value.is_floating_point()
+                    and not torch.isfinite(value).all()
+                ):
+                    kind = "NaN" if torch.isnan(value).any() else "inf"
+                    where = user_frame_from_stack_trace(node.meta.get("stack_trace"))
+                    raise NonFiniteError(
+                        f"debug preset: op {node.target} (graph node '{node.name}') produced "
+                        f"{kind} first" + (f", from {where}" if where else "")
+                    )
+        return result

@@ -1,0 +1,52 @@
+"""Compile presets (debug, O0 ... O4): JSON files shipped next to this module.
+
+`options={"option_json": ...}` takes a preset file path or a plain preset name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PRESET_DIR = Path(__file__).with_name("presets")
+PRESET_NAMES = ("debug", "O0", "O1", "O2", "O3", "O4")
+DEFAULT_PRESET = "O1"
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    executor: str  # "interpreter" or "inductor"
+    check_finite: bool = False
+    inductor_mode: str = "default"
+    inductor_options: dict[str, Any] = field(default_factory=dict)
+    description: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def preset_path(name: str) -> Path:
+    """The shipped JSON file of preset `name`."""
+    return PRESET_DIR / f"{name}.json"
+
+
+def load_preset(option_json: str | os.PathLike[str] | None) -> Preset:
+    """A preset from a name ("O1"), a shipped file name ("O1.json") or a JSON file path."""
+    if option_json is None:
+        option_json = DEFAULT_PRESET
+    text = os.fspath(option_json)
+    stem = Path(text).stem if text.endswith(".json") else text
+    path = Path(text) if Path(text).is_file() else preset_path(stem)
+    if not path.is_file():
+        raise ValueError(
+            f"unknown compile preset {text!r}: use one of {', '.join(PRESET_NAMES)} "
+            "or the path of a preset JSON file"
+        )
+    data = json.loads(path.read_text())
+    if data.get("executor") not in ("interpreter", "inductor"):
+        raise ValueError(f"preset {path}: 'executor' must be 'interpreter' or 'inductor'")
+    return Preset(**data)

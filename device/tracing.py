@@ -1,0 +1,344 @@
+"""Trace a step function once into ONE functional aten graph with explicit state.
+
+The function may call `optimizer.zero_grad()`, a model, `loss.backward()` and
+`optimizer.step()`. It is traced with make_fx in real mode, with the registered tensors
+themselves as graph inputs, so the forward, the backward and the in-place update are all
+recorded. A second pass functionalizes the graph: every in-place update of state becomes a
+new value that the graph returns. The result has the signature
+
+    graph(*state, *inputs) -> (*outputs, *new_values_of_mutated_state)
+
+Real-mode tracing executes the step once; every tensor it touched is restored afterwards,
+and so is the random number generator, so tracing leaves no trace on the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch.fx import traceback as fx_traceback
+from torch.fx.experimental.proxy_tensor import (
+    disable_proxy_modes_tracing,
+    get_proxy_mode,
+    get_proxy_slot,
+    make_fx,
+)
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from ._source import user_frame
+from .errors import StaticGraphError
+from .naming import get_tensor_name
+from .specs import TensorSpec
+
+aten = torch.ops.aten
+
+REGISTERED = "registered"  # Context state: shared by compiled functions, synchronized
+PRIVATE = "private"  # updated by the step but never registered: device-only, never synced
+CONSTANT = "constant"  # read but never written: copied to the device, refreshed on host change
+
+_DATA_DEPENDENT_OPS = {
+    aten._local_scalar_dense.default: "reads a tensor's value on the host (.item(), float(t), "
+    "int(t), bool(t), `if t:`)",
+    aten.is_nonzero.default: "branches on a tensor's value (`if t:`, `while t:`)",
+    aten.equal.default: "compares tensors on the host (torch.equal)",
+    aten.nonzero.default: "produces a value-dependent shape (nonzero, boolean indexing)",
+    aten.masked_select.default: "produces a value-dependent shape (masked_select)",
+    aten._unique2.default: "produces a value-dependent shape (unique)",
+    aten.unique_consecutive.default: "produces a value-dependent shape (unique_consecutive)",
+}
+_PROFILER_OPS = ("_record_function_enter", "_record_function_exit")
+
+
+@dataclass
+class StateBinding:
+    """One state input of a traced graph."""
+
+    name: str
+    kind: str  # REGISTERED, PRIVATE or CONSTANT
+    tensor: torch.Tensor  # the host tensor (or, after loading a codegen dir, its saved value)
+    mutated: bool = False
+
+
+@dataclass
+class TracedStep:
+    """A functional graph plus what its inputs and outputs mean."""
+
+    graph_module: fx.GraphModule
+    state: list[StateBinding]
+    input_specs: dict[str, TensorSpec]
+    output_specs: dict[str, TensorSpec]
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def input_keys(self) -> list[str]:
+        return list(self.input_specs)
+
+    @property
+    def output_keys(self) -> list[str]:
+        return list(self.output_specs)
+
+    @property
+    def mutated_state(self) -> list[int]:
+        return [i for i, s in enumerate(self.state) if s.mutated]
+
+
+def trace_step(
+    function: Callable[[Mapping[str, torch.Tensor]], Mapping[str, torch.Tensor]],
+    sample: Mapping[str, torch.Tensor],
+    registered: Mapping[str, torch.Tensor],
+    optimizers: list[torch.optim.Optimizer] = (),
+) -> TracedStep:
+    """Trace `function(sample)` into a functional graph over `registered` state."""
+    input_keys = list(sample)
+    for key in input_keys:
+        if not isinstance(sample[key], torch.Tensor):
+            raise TypeError(
+                f"compile: input {key!r} must be a torch.Tensor, got {type(sample[key]).__name__}"
+            )
+    reg_names = list(registered)
+    reg_tensors = [registered[n] for n in reg_names]
+    inputs = [sample[k].detach().clone() for k in input_keys]
+    output_specs: dict[str, TensorSpec] = {}
+    guard = _TraceGuard()
+
+    def flat_step(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        batch = dict(zip(input_keys, args[len(reg_tensors) :]))
+        with guard:
+            result = function(batch)
+        output_specs.update((k, TensorSpec.of(v)) for k, v in _check_outputs(result).items())
+        return tuple(result[k] for k in output_specs)
+
+    with _rng_preserved():
+        with _restored(reg_tensors, optimizers, guard):
+            gm = make_fx(flat_step, tracing_mode="real", record_stack_traces=True)(
+                *reg_tensors, *inputs
+            )
+        gm = _strip_profiler_ops(gm)
+        constants = _lift_constants(gm, n_inputs_before=len(reg_tensors))
+        state = [StateBinding(n, REGISTERED, t) for n, t in zip(reg_names, reg_tensors)]
+        state += [StateBinding(_describe(t), CONSTANT, t) for t in constants]
+        functional, mutated = _functionalize(gm, [s.tensor for s in state] + inputs, len(state))
+    for index in mutated:
+        state[index].mutated = True
+    notes = []
+    for binding in state:
+        if binding.kind == CONSTANT and binding.mutated:
+            binding.kind = PRIVATE
+            notes.append(
+                f"tensor {binding.name} is updated by the compiled step but was never registered: "
+                "it trains on the device, but synchronize() will not write it back to the host. "
+                "Register it with context.register_param / register_buffer / "
+                "register_optimizer_buffers."
+            )
+    for note in notes:
+        warnings.warn(note, stacklevel=3)
+    input_specs = {k: TensorSpec.of(sample[k]) for k in input_keys}
+    traced = TracedStep(functional, state, input_specs, output_specs, notes)
+    return _prune_unused_state(traced)
+
+
+# --- the trace guard ------------------------------------------------------------------
+
+
+class _TraceGuard(TorchDispatchMode):
+    """Runs in front of make_fx's proxy mode while the user function executes.
+
+    It rejects value-dependent control flow on traced tensors (pointing at the user's line),
+    and snapshots any untraced tensor before its first in-place update, so that tracing has
+    no side effect on tensors that the Context does not know.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tracer = get_proxy_mode().tracer
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if func in _DATA_DEPENDENT_OPS and any(_is_traced(t, tracer) for t in tensors):
+            where = user_frame() or "<unknown location>"
+            raise StaticGraphError(
+                f"the step {_DATA_DEPENDENT_OPS[func]} at {where}. A compiled step is one static "
+                "graph: Python control flow is fixed at trace time and cannot depend on tensor "
+                "values. Compute with tensors instead (torch.where, masks, clamp), or move this "
+                "code out of the compiled step."
+            )
+        if func._schema.is_mutable:
+            for arg, value in zip(func._schema.arguments, args):
+                written = arg.alias_info is not None and arg.alias_info.is_write
+                if written and isinstance(value, torch.Tensor) and not _is_traced(value, tracer):
+                    self._save(value)
+        return func(*args, **kwargs)
+
+    def _save(self, tensor: torch.Tensor) -> None:
+        if id(tensor) not in self.saved:
+            with disable_proxy_modes_tracing(), torch.no_grad():
+                self.saved[id(tensor)] = (tensor, tensor.detach().clone())
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for tensor, value in self.saved.values():
+                tensor.copy_(value)
+        self.saved.clear()
+
+
+def _is_traced(tensor: torch.Tensor, tracer) -> bool:
+    return get_proxy_slot(tensor, tracer, None) is not None
+
+
+class _restored:
+    """Undo what one real-mode trace did to host tensors, optimizer state and the RNG."""
+
+    def __init__(self, tensors, optimizers, guard: _TraceGuard) -> None:
+        self.tensors = tensors
+        self.optimizers = list(optimizers)
+        self.guard = guard
+
+    def __enter__(self):
+        with torch.no_grad():
+            self.values = [t.detach().clone() for t in self.tensors]
+        self.grads = [t.grad for t in self.tensors]
+        self.state_keys = [_state_keys(o) for o in self.optimizers]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with torch.no_grad():
+            for tensor, value, grad in zip(self.tensors, self.values, self.grads):
+                tensor.copy_(value)
+                tensor.grad = grad
+        self.guard.restore()
+        for optimizer, keys in zip(self.optimizers, self.state_keys):
+            if _state_keys(optimizer) != keys and exc[0] is None:
+                raise StaticGraphError(
+                    f"{type(optimizer).__name__} created new state while the step was traced "
+                    "(torch.optim creates momentum/Adam buffers lazily on the first step). "
+                    "Device state must exist before compile: use mncore_lightning.optimizers "
+                    "(MNCoreSGD, MNCoreAdam, MNCoreAdamW), whose state is created eagerly."
+                )
+
+
+@contextlib.contextmanager
+def _rng_preserved():
+    """Tracing draws random numbers (dropout); the compiled calls must draw the same ones."""
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def _state_keys(optimizer: torch.optim.Optimizer) -> list[tuple[int, tuple[str, ...]]]:
+    return [(id(p), tuple(s)) for p, s in optimizer.state.items()]
+
+
+def _check_outputs(result) -> Mapping[str, torch.Tensor]:
+    if not isinstance(result, Mapping):
+        raise TypeError(
+            f"a compiled function must return a dict of tensors, got {type(result).__name__}"
+        )
+    for key, value in result.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"output {key!r} of the compiled function is a {type(value).__name__}, "
+                "not a tensor: return tensors (e.g. torch.tensor(x)) from the step"
+            )
+    return result
+
+
+def _describe(tensor: torch.Tensor) -> str:
+    name = get_tensor_name(tensor)
+    shape = "x".join(map(str, tensor.shape)) or "scalar"
+    return repr(name) if name else f"<unnamed {shape} {str(tensor.dtype).removeprefix('torch.')}>"
+
+
+# --- graph passes -----------------------------------------------------------------------
+
+
+def _strip_profiler_ops(gm: fx.GraphModule) -> fx.GraphModule:
+    """Drop torch.optim's record_function markers: Inductor cannot compile them."""
+    for node in reversed(list(gm.graph.nodes)):
+        if node.op == "call_function" and any(p in str(node.target) for p in _PROFILER_OPS):
+            gm.graph.erase_node(node)
+    gm.recompile()
+    return gm
+
+
+def _lift_constants(gm: fx.GraphModule, n_inputs_before: int) -> list[torch.Tensor]:
+    """Turn every tensor constant (closed-over host tensor) into a graph input."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    anchor = placeholders[n_inputs_before - 1] if n_inputs_before else None
+    constants: list[torch.Tensor] = []
+    lifted: dict[int, fx.Node] = {}
+    for node in list(gm.graph.nodes):
+        if node.op != "get_attr":
+            continue
+        tensor = getattr(gm, node.target)
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        if id(tensor) not in lifted:
+            where = anchor.next if anchor is not None else next(iter(gm.graph.nodes))
+            with gm.graph.inserting_before(where):
+                lifted[id(tensor)] = gm.graph.placeholder(f"const_{len(constants)}")
+            anchor = lifted[id(tensor)]
+            constants.append(tensor)
+        node.replace_all_uses_with(lifted[id(tensor)])
+        gm.graph.erase_node(node)
+    for name, _ in list(gm.named_buffers()) + list(gm.named_parameters()):
+        delattr(gm, name)
+    for name in [k for k in vars(gm) if k.startswith("_tensor_constant")]:
+        delattr(gm, name)
+    gm.recompile()
+    return constants
+
+
+def _functionalize(gm: fx.GraphModule, args: list[torch.Tensor], n_state: int):
+    """Second pass: a mutation-free graph returning (*outputs, *updated state)."""
+    clones = [a.detach().clone() for a in args]
+    interpreter = fx.Interpreter(gm)
+    with fx_traceback.preserve_node_meta():
+        functional = make_fx(
+            torch.func.functionalize(interpreter.run, remove="mutations_and_views"),
+            tracing_mode="real",
+        )(*clones)
+    graph = functional.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    index_of = {node: i for i, node in enumerate(placeholders)}
+    updates: dict[int, fx.Node] = {}
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is aten.copy_.default:
+            destination = node.args[0]
+            if destination in index_of and not node.users:
+                updates[index_of[destination]] = node.args[1]
+                graph.erase_node(node)
+    mutated = sorted(i for i in updates if i < n_state)
+    output = next(n for n in graph.nodes if n.op == "output")
+    outputs = list(output.args[0])
+    output.args = (tuple(outputs + [updates[i] for i in mutated]),)
+    graph.eliminate_dead_code()
+    functional.recompile()
+    return functional, mutated
+
+
+def _prune_unused_state(traced: TracedStep) -> TracedStep:
+    """Remove state inputs the graph neither reads nor writes (another model's, say)."""
+    graph = traced.graph_module.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    keep = []
+    for binding, node in zip(traced.state, placeholders):
+        if node.users or binding.mutated:
+            keep.append(binding)
+        else:
+            graph.erase_node(node)
+    traced.graph_module.recompile()
+    traced.state = keep
+    return traced
