@@ -128,6 +128,10 @@ class Context:
     def registered_names(self) -> list[str]:
         return list(self._slots)
 
+    def device_values(self) -> list[torch.Tensor]:
+        """The registered tensors as they are in device memory now."""
+        return [slot.value for slot in self._slots.values()]
+
     def get_registered_value_proxy(self, tensor: torch.Tensor) -> RegisteredValueProxy:
         """The device-side value of a registered tensor, for explicit transfers."""
         slot = self._by_id.get(id(tensor))

@@ -1,0 +1,74 @@
+"""`MNCoreAccelerator`: the "mncore" accelerator of Lightning's Trainer.
+
+The LightningModule stays in host memory; device memory is managed by `MNCoreStrategy`
+through a device-layer Context. So the accelerator's own work is small: it describes the
+(single) MN-Core device and reports its statistics.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.accelerators.cpu import get_cpu_stats
+
+
+class MNCoreAccelerator(Accelerator):
+    """One MN-Core 2 device (real, or emulated on CPU/CUDA)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stats_source: Any = None  # the strategy in use sets itself here
+
+    def setup_device(self, device: torch.device) -> None:
+        """Device memory is set up by the strategy's Context; nothing to do on the host."""
+
+    def teardown(self) -> None:
+        self.stats_source = None
+
+    @staticmethod
+    def parse_devices(devices: Any) -> int:
+        if devices in ("auto", None, 1, "1", [0], (0,)):
+            return 1
+        raise ValueError(
+            f"MNCoreAccelerator drives one MN-Core device; got devices={devices!r}. "
+            "Use devices=1 (or leave it as 'auto')."
+        )
+
+    @staticmethod
+    def get_parallel_devices(devices: Any) -> list[torch.device]:
+        # The Trainer's root device is the host: the model and batches live there, and the
+        # strategy moves them into MN-Core memory.
+        return [torch.device("cpu")]
+
+    @staticmethod
+    def auto_device_count() -> int:
+        return 1
+
+    @staticmethod
+    def is_available() -> bool:
+        # The emulated device is always available; real hardware is chosen by the device string.
+        return True
+
+    @staticmethod
+    def name() -> str:
+        return "mncore"
+
+    def get_device_stats(self, device: Any) -> dict[str, Any]:
+        """Host CPU stats plus the MN-Core device's memory and call counters."""
+        stats: dict[str, Any] = {}
+        try:
+            stats.update(get_cpu_stats())
+        except ModuleNotFoundError:  # psutil is optional
+            pass
+        if self.stats_source is not None:
+            stats.update(self.stats_source.device_stats())
+        return stats
+
+    @classmethod
+    def register_accelerators(cls, accelerator_registry: Any) -> None:
+        if "mncore" not in accelerator_registry:
+            accelerator_registry.register(
+                "mncore", cls, description="MN-Core 2 (real, or emulated on CPU/CUDA)"
+            )

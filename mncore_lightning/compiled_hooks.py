@@ -1,0 +1,208 @@
+"""Turn a LightningModule hook into one compiled device-layer function.
+
+`training_step` becomes zero_grad + training_step + backward + clipping + optimizer.step;
+`validation_step`, `test_step` and `predict_step` become forward-only graphs. Batches of any
+pytree structure are flattened into the dict of tensors the device layer takes.
+
+`self.log` cannot run inside a traced graph (Lightning stores and accumulates the value on
+the host). While tracing, `LogRecorder` stands in for `module.log`: logged tensors become
+graph outputs, and after every call the recorded `self.log` calls are replayed with the
+values the graph produced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import numbers
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from mncore_device import CompiledFunction, Context
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+
+LOG_PREFIX = "log/"
+OUTPUT_PREFIX = "out/"
+BATCH_PREFIX = "batch/"
+
+
+@dataclass
+class _LogCall:
+    name: str
+    key: str | None  # graph output holding the value, or None for a constant
+    constant: Any
+    args: tuple
+    kwargs: dict
+
+
+class LogRecorder:
+    """Records `self.log` calls made while a hook is traced; replays them after each call."""
+
+    def __init__(self) -> None:
+        self.calls: list[_LogCall] = []
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            key = LOG_PREFIX + name
+            self.tensors[key] = value.detach()
+            self.calls.append(_LogCall(name, key, None, args, kwargs))
+        elif isinstance(value, numbers.Number):
+            self.calls.append(_LogCall(name, None, value, args, kwargs))
+        else:
+            raise TypeError(
+                f"self.log({name!r}, ...) inside a compiled step got a {type(value).__name__}. "
+                "MNCoreStrategy logs tensors and Python numbers; for a torchmetrics Metric, "
+                "compute it in the step (metric(preds, target)) or log it from an epoch-end hook."
+            )
+
+    def replay(self, module: Any, outputs: Mapping[str, torch.Tensor]) -> None:
+        log = module.log
+        for call in self.calls:
+            value = outputs[call.key] if call.key is not None else call.constant
+            log(call.name, value, *call.args, **call.kwargs)
+
+
+@contextlib.contextmanager
+def recording_logs(module: Any, recorder: LogRecorder) -> Iterator[None]:
+    """Route `module.log` (and so `module.log_dict`) to `recorder` while tracing."""
+    module.log = recorder.log
+    try:
+        yield
+    finally:
+        del module.log
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """A batch's pytree structure; tensor leaves are graph inputs, others are fixed."""
+
+    spec: TreeSpec
+    tensor_positions: tuple[int, ...]
+    fixed: tuple[tuple[int, Any], ...]
+
+    @classmethod
+    def of(cls, batch: Any) -> tuple[BatchLayout, dict[str, torch.Tensor]]:
+        leaves, spec = tree_flatten(batch)
+        positions = tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor))
+        fixed = tuple(
+            (i, leaf) for i, leaf in enumerate(leaves) if not isinstance(leaf, torch.Tensor)
+        )
+        inputs = {f"{BATCH_PREFIX}{i}": leaves[i] for i in positions}
+        return cls(spec, positions, fixed), inputs
+
+    def rebuild(self, inputs: Mapping[str, torch.Tensor]) -> Any:
+        leaves: list[Any] = [None] * (len(self.tensor_positions) + len(self.fixed))
+        for i in self.tensor_positions:
+            leaves[i] = inputs[f"{BATCH_PREFIX}{i}"]
+        for i, value in self.fixed:
+            leaves[i] = value
+        return tree_unflatten(leaves, self.spec)
+
+
+class _Returned:
+    """What a hook returned: tensors become graph outputs, the rest is kept as is."""
+
+    def __init__(self) -> None:
+        self.spec: TreeSpec | None = None
+        self.fixed: dict[int, Any] = {}
+        self.n_leaves = 0
+
+    def capture(self, value: Any) -> dict[str, torch.Tensor]:
+        leaves, self.spec = tree_flatten(value)
+        self.n_leaves = len(leaves)
+        self.fixed = {i: v for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor)}
+        return {
+            f"{OUTPUT_PREFIX}{i}": v.detach()
+            for i, v in enumerate(leaves)
+            if isinstance(v, torch.Tensor)
+        }
+
+    def rebuild(self, outputs: Mapping[str, torch.Tensor]) -> Any:
+        leaves = [
+            self.fixed[i] if i in self.fixed else outputs[f"{OUTPUT_PREFIX}{i}"]
+            for i in range(self.n_leaves)
+        ]
+        return tree_unflatten(leaves, self.spec)
+
+
+class CompiledHook:
+    """One compiled hook for one batch layout; calling it runs the graph and replays logs."""
+
+    def __init__(
+        self,
+        compiled: CompiledFunction,
+        layout: BatchLayout,
+        recorder: LogRecorder,
+        returned: _Returned,
+        to_host: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+    ) -> None:
+        self.compiled = compiled
+        self.layout = layout
+        self.recorder = recorder
+        self.returned = returned
+        self.to_host = to_host
+
+    def __call__(self, module: Any, inputs: dict[str, torch.Tensor]) -> Any:
+        outputs = self.to_host(self.compiled(inputs))
+        self.recorder.replay(module, outputs)
+        return self.returned.rebuild(outputs)
+
+
+def compile_hook(
+    context: Context,
+    module: Any,
+    hook_name: str,
+    batch: Any,
+    extra_args: tuple,
+    *,
+    optimizer: torch.optim.Optimizer | None,
+    gradient_clipping: tuple[float | None, str | None] = (None, None),
+    options: Mapping[str, Any],
+    codegen_dir: Any = None,
+    cache_options: Any = None,
+    to_host: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+) -> tuple[CompiledHook, dict[str, torch.Tensor]]:
+    """Trace `module.<hook_name>(batch, *extra_args)` into a compiled function.
+
+    With `optimizer`, the graph is a whole training step (update included).
+    Returns the hook and the inputs of this batch.
+    """
+    layout, inputs = BatchLayout.of(batch)
+    recorder = LogRecorder()
+    returned = _Returned()
+    hook = getattr(module, hook_name)
+
+    def step(graph_inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        batch = layout.rebuild(graph_inputs)
+        if optimizer is None:
+            with torch.no_grad(), recording_logs(module, recorder):
+                output = hook(batch, *extra_args)
+            return {**recorder.tensors, **returned.capture(output)}
+        optimizer.zero_grad(set_to_none=True)
+        with recording_logs(module, recorder):
+            output = hook(batch, *extra_args)
+        module.backward(_loss_of(output))
+        clip_val, clip_algorithm = gradient_clipping
+        if clip_val:
+            module.configure_gradient_clipping(optimizer, clip_val, clip_algorithm)
+        optimizer.step()
+        return {**recorder.tensors, **returned.capture(output)}
+
+    with torch.inference_mode(False):
+        compiled = context.compile(
+            step, inputs, codegen_dir, options=dict(options), cache_options=cache_options
+        )
+    return CompiledHook(compiled, layout, recorder, returned, to_host), inputs
+
+
+def _loss_of(output: Any) -> torch.Tensor:
+    loss = output.get("loss") if isinstance(output, Mapping) else output
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(
+            "training_step must return the loss tensor (or a dict with a 'loss' tensor) under "
+            f"MNCoreStrategy, got {type(output).__name__}: the compiled step always runs the "
+            "backward and the optimizer update, so it cannot skip a batch by returning None"
+        )
+    return loss

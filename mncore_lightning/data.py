@@ -1,0 +1,45 @@
+"""Static shapes need full batches: training loaders are rebuilt with drop_last=True."""
+
+from __future__ import annotations
+
+import warnings
+
+from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+
+
+def with_drop_last(dataloader: DataLoader) -> DataLoader:
+    """`dataloader` rebuilt with drop_last=True; warns how many samples each epoch skips."""
+    batch_sampler = dataloader.batch_sampler
+    if isinstance(dataloader.dataset, IterableDataset) or getattr(batch_sampler, "drop_last", True):
+        return dataloader
+    if type(batch_sampler) is not BatchSampler:
+        warnings.warn(
+            f"the training DataLoader uses a custom batch sampler ({type(batch_sampler).__name__}) "
+            "with drop_last=False; MNCoreStrategy cannot rebuild it, and a smaller last batch "
+            "will fail the compiled step's static shape check. Make it drop the last batch.",
+            stacklevel=2,
+        )
+        return dataloader
+    args, kwargs = _get_dataloader_init_args_and_kwargs(
+        dataloader, dataloader.sampler, RunningStage.TRAINING
+    )
+    kwargs.pop("batch_sampler", None)
+    kwargs.update(batch_size=batch_sampler.batch_size, drop_last=True, sampler=dataloader.sampler)
+    kwargs.pop("shuffle", None)
+    rebuilt = _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)
+    try:
+        skipped = len(batch_sampler.sampler) % batch_sampler.batch_size
+    except TypeError:
+        skipped = None
+    if skipped != 0:
+        amount = "some samples" if skipped is None else f"{skipped} samples"
+        warnings.warn(
+            f"MNCoreStrategy set drop_last=True on the training DataLoader (a compiled step has "
+            f"a static batch size of {batch_sampler.batch_size}): {amount} per epoch are skipped.",
+            UserWarning,
+            stacklevel=2,
+        )
+    return rebuilt

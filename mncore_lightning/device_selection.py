@@ -1,0 +1,31 @@
+"""Which MN-Core device a run uses: the strategy argument, then $MNCORE_DEVICE, then a default."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from mncore_device import mlsdk_available
+
+DEVICE_ENV = "MNCORE_DEVICE"
+PRESET_ENV = "MNCORE_PRESET"
+DEFAULT_PRESET = "O1"
+
+
+def default_device() -> str:
+    """Real hardware when MLSDK is installed, else the emulator on CUDA, else on the CPU."""
+    if mlsdk_available():
+        return "mncore2:auto"
+    if torch.cuda.is_available():
+        return "pfvm:cuda"
+    return "pfvm:cpu"
+
+
+def resolve_device(device: str | None) -> str:
+    """The device string to use: explicit argument > $MNCORE_DEVICE > `default_device()`."""
+    return device or os.environ.get(DEVICE_ENV) or default_device()
+
+
+def resolve_preset(preset: str | None) -> str:
+    """The compile preset: explicit argument > $MNCORE_PRESET > O1."""
+    return preset or os.environ.get(PRESET_ENV) or DEFAULT_PRESET

@@ -1,0 +1,34 @@
+"""`MNCorePrecision`: backward and the optimizer update run inside the compiled step.
+
+Lightning's automatic optimization calls `optimizer.step(closure)`; the closure runs
+`Strategy.training_step`, which executes one compiled call holding zero_grad, forward,
+backward, gradient clipping and the update. So Lightning's own backward and step must do
+nothing (the pattern of the former IPU plugin and of DeepSpeed's precision plugin).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.trainer import call
+
+
+class MNCorePrecision(Precision):
+    """32-bit training where backward and the optimizer step are part of the compiled graph."""
+
+    precision = "32-true"
+
+    def backward(self, tensor: Any, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        """No-op: the gradients were computed inside the compiled step."""
+
+    def optimizer_step(
+        self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
+        """Run the closure (the compiled step, update included); never call optimizer.step."""
+        result = closure()
+        trainer = model.trainer
+        call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
+        call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
+        return result

@@ -1,0 +1,314 @@
+"""`MNCoreStrategy`: every training batch is ONE compiled call on the MN-Core device.
+
+At setup the strategy converts the optimizer to its MN-Core equivalent, names and registers
+the module's parameters and buffers and the optimizer's state with a device-layer Context.
+The first training batch compiles zero_grad + training_step + backward + clipping + the
+update into one static graph; every later batch is one call of it. Validation, test and
+predict steps get forward-only graphs that read the device's current weights. Host tensors
+are refreshed from the device before checkpoints, at the end of fit and on teardown.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from mncore_device import (
+    CacheOptions,
+    Context,
+    MNDevice,
+    set_buffer_name_in_optimizer,
+    set_tensor_name_in_module,
+)
+from torch.utils.data import DataLoader
+
+from .compiled_hooks import BatchLayout, CompiledHook, compile_hook
+from .data import with_drop_last
+from .device_selection import resolve_device, resolve_preset
+from .optimizers import from_torch
+from .precision import MNCorePrecision
+
+_EVAL_HOOKS = ("validation_step", "test_step", "predict_step")
+
+
+class MNCoreStrategy(SingleDeviceStrategy):
+    """Train and evaluate a LightningModule with compiled static-shape steps on MN-Core.
+
+    Args:
+        device: "pfvm:cpu", "pfvm:cuda", "mncore2:auto", "mncore2:N"; default: $MNCORE_DEVICE,
+            else real hardware when MLSDK is installed, else pfvm:cuda when CUDA is available,
+            else pfvm:cpu.
+        preset: compile preset, "debug" or "O0" ... "O4" (default: $MNCORE_PRESET, else O1).
+        codegen_dir: where each compiled step's graph and specs are written (optional).
+        cache_dir: compile cache shared between runs (optional).
+    """
+
+    strategy_name = "mncore"
+
+    def __init__(
+        self,
+        device: str | None = None,
+        preset: str | None = None,
+        codegen_dir: str | os.PathLike[str] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        accelerator: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        super().__init__(
+            device=torch.device("cpu"),
+            accelerator=accelerator,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin or MNCorePrecision(),
+        )
+        self.mncore_device = MNDevice(resolve_device(device))
+        self.preset = resolve_preset(preset)
+        self.codegen_dir = Path(codegen_dir) if codegen_dir is not None else None
+        self.cache_options = CacheOptions(cache_dir) if cache_dir is not None else None
+        self.context: Context | None = None
+        self._train_hook: CompiledHook | None = None
+        self._eval_hooks: dict[str, list[CompiledHook]] = {}
+        self._device_is_newer = False
+        self.compiled_calls = 0
+
+    # --- the precision plugin is ours -------------------------------------------------------
+
+    @property
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        # Lightning's connector assigns its own choice here; a plain 32-bit Precision is what
+        # MNCorePrecision already is, anything else would silently change the step.
+        if plugin is None or isinstance(plugin, MNCorePrecision):
+            self._precision_plugin = plugin or MNCorePrecision()
+        elif type(plugin) is Precision and getattr(self, "_precision_plugin", None) is not None:
+            return
+        elif type(plugin) is Precision:
+            self._precision_plugin = MNCorePrecision()
+        else:
+            raise MisconfigurationException(
+                f"MNCoreStrategy runs backward and the optimizer step inside its compiled graph "
+                f"and supports precision='32-true' only; got the {type(plugin).__name__} plugin."
+            )
+
+    # --- setup -------------------------------------------------------------------------------
+
+    def setup(self, trainer: Any) -> None:
+        module = trainer.lightning_module
+        if not module.automatic_optimization:
+            raise MisconfigurationException(
+                "MNCoreStrategy does not support manual optimization "
+                "(self.automatic_optimization = False): the compiled step must contain the "
+                "whole update, and calls to manual_backward()/opt.step() inside training_step "
+                "cannot be split into one graph. Use automatic optimization with one optimizer "
+                "returned from configure_optimizers, or accelerator='cpu'/'gpu' for this model."
+            )
+        if trainer.accumulate_grad_batches != 1:
+            raise MisconfigurationException(
+                f"MNCoreStrategy does not support accumulate_grad_batches="
+                f"{trainer.accumulate_grad_batches}: every compiled step applies one optimizer "
+                "update. Use a larger batch size instead."
+            )
+        self.accelerator.stats_source = self
+        super().setup(trainer)
+        self._setup_context()
+
+    def setup_optimizers(self, trainer: Any) -> None:
+        """Replace torch.optim SGD/Adam/AdamW by their MN-Core equivalents, schedulers too."""
+        super().setup_optimizers(trainer)
+        if len(self.optimizers) > 1:
+            raise MisconfigurationException(
+                "MNCoreStrategy compiles one optimizer update per step; configure_optimizers "
+                f"returned {len(self.optimizers)} optimizers. Return one optimizer (with several "
+                "param groups if needed)."
+            )
+        converted = [from_torch(opt) for opt in self.optimizers]
+        for config in self.lr_scheduler_configs:
+            for old, new in zip(self.optimizers, converted):
+                if getattr(config.scheduler, "optimizer", None) is old:
+                    config.scheduler.optimizer = new
+        self.optimizers = converted
+
+    def _setup_context(self) -> None:
+        self.context = Context(self.mncore_device)
+        Context.switch_context(self.context)
+        module = self.lightning_module
+        set_tensor_name_in_module(module, "model")
+        for param in module.parameters():
+            self.context.register_param(param)
+        for buffer in module.buffers():
+            self.context.register_buffer(buffer)
+        for index, optimizer in enumerate(self.optimizers):
+            set_buffer_name_in_optimizer(optimizer, f"optimizer{index or ''}")
+            self.context.register_optimizer_buffers(optimizer)
+        self._train_hook = None
+        self._eval_hooks = {}
+        self._device_is_newer = False
+
+    # --- steps ---------------------------------------------------------------------------------
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        batch, rest = args[0], args[1:]
+        module = self.lightning_module
+        if self._train_hook is None:
+            optimizer = self.optimizers[0] if self.optimizers else None
+            if optimizer is None:
+                raise MisconfigurationException(
+                    "MNCoreStrategy needs an optimizer from configure_optimizers to compile "
+                    "the training step"
+                )
+            trainer = module.trainer
+            self._train_hook, inputs = self._compile(
+                "training_step",
+                batch,
+                rest,
+                optimizer=optimizer,
+                gradient_clipping=(trainer.gradient_clip_val, trainer.gradient_clip_algorithm),
+            )
+        else:
+            layout, inputs = BatchLayout.of(batch)
+            if layout != self._train_hook.layout:
+                raise MisconfigurationException(
+                    "the training batch changed structure after the step was compiled "
+                    f"(compiled for {self._train_hook.layout.spec}, got {layout.spec})"
+                )
+        result = self._train_hook(module, inputs)
+        self._device_is_newer = True
+        self.compiled_calls += 1
+        return result
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step("validation_step", args)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step("test_step", args)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step("predict_step", args)
+
+    def _eval_step(self, hook_name: str, args: tuple) -> Any:
+        batch, rest = args[0], args[1:]
+        layout, inputs = BatchLayout.of(batch)
+        hooks = self._eval_hooks.setdefault(hook_name, [])
+        for hook in hooks:
+            if hook.layout == layout and _matches(hook, inputs):
+                break
+        else:
+            hook, inputs = self._compile(hook_name, batch, rest, optimizer=None)
+            hooks.append(hook)
+        self.compiled_calls += 1
+        return hook(self.lightning_module, inputs)
+
+    def _compile(self, hook_name: str, batch: Any, rest: tuple, **kwargs: Any):
+        codegen_dir = None
+        if self.codegen_dir is not None:
+            count = len(self._eval_hooks.get(hook_name, []))
+            codegen_dir = self.codegen_dir / f"{hook_name}_{count}"
+        return compile_hook(
+            self.context,
+            self.lightning_module,
+            hook_name,
+            batch,
+            rest,
+            options={"option_json": self.preset},
+            codegen_dir=codegen_dir,
+            cache_options=self.cache_options,
+            to_host=self._to_host,
+            **kwargs,
+        )
+
+    def _to_host(self, outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The one place where device outputs (logged values, returns) become host tensors."""
+        if self.mncore_device.torch_device.type == "cpu":
+            return outputs
+        return {k: v.to("cpu") for k, v in outputs.items()}
+
+    # --- data ------------------------------------------------------------------------------------
+
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.training and isinstance(dataloader, DataLoader):
+            return with_drop_last(dataloader)
+        return dataloader
+
+    # --- host <-> device --------------------------------------------------------------------------
+
+    def synchronize(self) -> None:
+        """Write the device's parameters, buffers and optimizer state into the host tensors."""
+        if self.context is not None and self._device_is_newer:
+            self.context.synchronize()
+            self._device_is_newer = False
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self.synchronize()
+        return super().lightning_module_state_dict()
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        self.synchronize()
+        return super().optimizer_state(optimizer)
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        super().load_model_state_dict(checkpoint, strict=strict)
+        if self.context is not None:
+            self.context.load_from_host(list(self.lightning_module.parameters()))
+            self.context.load_from_host(list(self.lightning_module.buffers()))
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        if self.context is not None:
+            for optimizer in self.optimizers:
+                state = [v for s in optimizer.state.values() for v in s.values()]
+                self.context.load_from_host([t for t in state if isinstance(t, torch.Tensor)])
+
+    def on_exception(self, exception: BaseException) -> None:
+        self.synchronize()
+        super().on_exception(exception)
+
+    def teardown(self) -> None:
+        self.synchronize()
+        if self.accelerator is not None:
+            self.accelerator.stats_source = None
+        self.context = None
+        self._train_hook = None
+        self._eval_hooks = {}
+        super().teardown()
+
+    # --- reporting ----------------------------------------------------------------------------------
+
+    def device_stats(self) -> dict[str, float]:
+        """Counters for DeviceStatsMonitor."""
+        hooks = [h for hs in self._eval_hooks.values() for h in hs]
+        hooks += [self._train_hook] if self._train_hook is not None else []
+        memory = 0
+        if self.context is not None:
+            memory = sum(v.numel() * v.element_size() for v in self.context.device_values())
+        return {
+            "mncore/device_memory_bytes": float(memory),
+            "mncore/compiled_functions": float(len(hooks)),
+            "mncore/compiled_calls": float(self.compiled_calls),
+            "mncore/compile_seconds": float(sum(h.compiled.compile_seconds for h in hooks)),
+        }
+
+    def __repr__(self) -> str:
+        return f"MNCoreStrategy(device={self.mncore_device}, preset={self.preset})"
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(
+                cls.strategy_name, cls, description="one compiled step per batch on MN-Core"
+            )
+
+
+def _matches(hook: CompiledHook, inputs: dict[str, torch.Tensor]) -> bool:
+    specs = hook.compiled.input_specs
+    return all(
+        specs[k].shape == tuple(v.shape) and specs[k].dtype == v.dtype for k, v in inputs.items()
+    )
