@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from mncore_device import CompiledFunction, Context
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+
+from mncore_device import CompiledFunction, Context
 
 LOG_PREFIX = "log/"
 OUTPUT_PREFIX = "out/"

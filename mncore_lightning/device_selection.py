@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import torch
+
 from mncore_device import mlsdk_available
 
 DEVICE_ENV = "MNCORE_DEVICE"
@@ -22,8 +23,13 @@ def default_device() -> str:
 
 
 def resolve_device(device: str | None) -> str:
-    """The device string to use: explicit argument > $MNCORE_DEVICE > `default_device()`."""
-    return device or os.environ.get(DEVICE_ENV) or default_device()
+    """The device string to use: explicit argument > $MNCORE_DEVICE > `default_device()`.
+
+    "auto" (or None) means: whatever $MNCORE_DEVICE says, else the default.
+    """
+    if device and device != "auto":
+        return device
+    return os.environ.get(DEVICE_ENV) or default_device()
 
 
 def resolve_preset(preset: str | None) -> str:

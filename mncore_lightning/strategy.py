@@ -18,6 +18,8 @@ import torch
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.utils.data import DataLoader
+
 from mncore_device import (
     CacheOptions,
     Context,
@@ -25,7 +27,6 @@ from mncore_device import (
     set_buffer_name_in_optimizer,
     set_tensor_name_in_module,
 )
-from torch.utils.data import DataLoader
 
 from .compiled_hooks import BatchLayout, CompiledHook, compile_hook
 from .data import with_drop_last

@@ -1,0 +1,255 @@
+"""Side by side: one LightningModule and one DataLoader under accelerator="cpu" and "mncore".
+
+Runs the MN-Core tutorial MLP (1024-256-10, batch 64, SGD momentum 0.9, one `self.log` per
+step) through `trainer.fit` under:
+  - a hand-written eager loop over the same DataLoader (no Lightning),
+  - Lightning's cpu accelerator,
+  - accelerator="mncore" with presets O0 and O1,
+each in its own subprocess (so peak RSS is per configuration), repeated and interleaved.
+Steps/s counts steady-state steps only (the first epoch, which holds the compile, is timed
+separately as "first epoch seconds"). Also reports where an mncore step's time goes: the
+DataLoader, Lightning's loop, the compiled call, replaying `self.log`, and the strategy's own
+overhead.
+
+    python benchmarks/bench_lightning.py [--repeats 3] [--epochs 4] [--out benchmarks/results/lightning.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+STEPS_PER_EPOCH = 100
+BATCH = 64
+
+
+def _data():
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(STEPS_PER_EPOCH * BATCH, 1, 32, 32, generator=g)
+    y = torch.randint(0, 10, (STEPS_PER_EPOCH * BATCH,), generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=True, drop_last=True)
+
+
+def _module_cls():
+    import lightning as L
+    import torch
+    import torch.nn.functional as F
+
+    class TutorialMLP(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear1 = torch.nn.Linear(1024, 256)
+            self.linear2 = torch.nn.Linear(256, 10)
+
+        def forward(self, x):
+            return self.linear2(F.relu(self.linear1(x.flatten(1))))
+
+        def training_step(self, batch, batch_idx):
+            x, t = batch
+            loss = F.cross_entropy(self(x), t)
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+    return TutorialMLP
+
+
+class _EpochTimer:
+    """Wall time of each epoch; on mncore, also profiles a step's parts at the end of fit."""
+
+    def __init__(self, loader) -> None:
+        import lightning as L
+
+        timer = self
+
+        class Cb(L.Callback):
+            def on_train_epoch_start(self, trainer, pl_module):
+                timer.start = time.perf_counter()
+
+            def on_train_epoch_end(self, trainer, pl_module):
+                timer.epochs.append(time.perf_counter() - timer.start)
+
+            def on_train_end(self, trainer, pl_module):
+                if hasattr(trainer.strategy, "device_stats"):
+                    timer.extra["compile_seconds"] = trainer.strategy.device_stats()[
+                        "mncore/compile_seconds"
+                    ]
+                    timer.extra["profile_us"] = _profile_mncore_step(trainer, pl_module, loader)
+
+        self.epochs: list[float] = []
+        self.extra: dict = {}
+        self.callback = Cb()
+
+
+def run_one(config: str, epochs: int) -> dict:
+    """Run one configuration in this process; returns its timings."""
+    import torch
+
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    loader = _data()
+    model = _module_cls()()
+    if config == "eager":
+        return _run_eager(model, loader, epochs)
+    import lightning as L
+
+    import mncore_lightning  # noqa: F401  (registers "mncore")
+
+    timer = _EpochTimer(loader)
+    kwargs = dict(
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer.callback],
+    )
+    if config == "cpu":
+        trainer = L.Trainer(accelerator="cpu", **kwargs)
+    else:
+        preset = config.split("-")[1]
+        strategy = mncore_lightning.MNCoreStrategy(device="pfvm:cpu", preset=preset)
+        trainer = L.Trainer(accelerator="mncore", strategy=strategy, **kwargs)
+    trainer.fit(model, loader)
+    return {**_summary(timer.epochs), **timer.extra}
+
+
+def _run_eager(model, loader, epochs: int) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    times = []
+    for _ in range(epochs):
+        start = time.perf_counter()
+        for x, t in loader:
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x), t)
+            loss.backward()
+            optimizer.step()
+        times.append(time.perf_counter() - start)
+    return _summary(times)
+
+
+def _summary(epoch_seconds: list[float]) -> dict:
+    steady = epoch_seconds[1:] or epoch_seconds
+    return {
+        "first_epoch_seconds": epoch_seconds[0],
+        "steps_per_second": STEPS_PER_EPOCH / statistics.median(steady),
+        "epoch_seconds": epoch_seconds,
+    }
+
+
+def _profile_mncore_step(trainer, model, loader) -> dict:
+    """Per-step microseconds of the parts of an mncore step, measured outside the loop."""
+    strategy = trainer.strategy
+    batches = [b for _, b in zip(range(50), loader)]
+    n = len(batches)
+
+    def per_step(fn) -> float:
+        start = time.perf_counter()
+        for i, b in enumerate(batches):
+            fn(i, b)
+        return (time.perf_counter() - start) / n * 1e6
+
+    data_us = per_step(lambda i, b: None) + _loader_us(loader, n)
+    hook = strategy._train_hook
+    from mncore_lightning.compiled_hooks import BatchLayout
+
+    inputs = [BatchLayout.of(b)[1] for b in batches]
+    call_us = per_step(lambda i, b: hook.compiled(inputs[i]))
+    flatten_us = per_step(lambda i, b: BatchLayout.of(b))
+    outputs = hook.compiled(inputs[0])
+    model._current_fx_name = "training_step"
+    replay_us = per_step(lambda i, b: hook.recorder.replay(model, outputs))
+    return {
+        "dataloader": round(data_us, 1),
+        "compiled_call": round(call_us, 1),
+        "log_replay": round(replay_us, 1),
+        "strategy_own (flatten + dispatch)": round(flatten_us, 1),
+    }
+
+
+def _loader_us(loader, n: int) -> float:
+    start = time.perf_counter()
+    for _, _b in zip(range(n), loader):
+        pass
+    return (time.perf_counter() - start) / n * 1e6
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--configs", nargs="+", default=["eager", "cpu", "mncore-O0", "mncore-O1"])
+    parser.add_argument("--out", default="benchmarks/results/lightning.json")
+    parser.add_argument("--_child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args._child:
+        result = run_one(args._child, args.epochs)
+        result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print("RESULT " + json.dumps(result))
+        return result
+
+    runs: dict[str, list[dict]] = {c: [] for c in args.configs}
+    for repeat in range(args.repeats):
+        for config in args.configs:  # interleaved, so drift hits every configuration alike
+            out = subprocess.run(
+                [sys.executable, __file__, "--_child", config, "--epochs", str(args.epochs)],
+                capture_output=True,
+                text=True,
+                env={**os.environ, "PYTHONWARNINGS": "ignore"},
+            )
+            line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if line is None:
+                raise RuntimeError(f"{config} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+            runs[config].append(json.loads(line[len("RESULT ") :]))
+            print(f"repeat {repeat} {config}: {runs[config][-1]['steps_per_second']:.0f} steps/s")
+
+    report = {"batch": BATCH, "steps_per_epoch": STEPS_PER_EPOCH, "threads": 2, "configs": {}}
+    cpu = statistics.median(r["steps_per_second"] for r in runs["cpu"]) if "cpu" in runs else None
+    for config, results in runs.items():
+        sps = statistics.median(r["steps_per_second"] for r in results)
+        entry = {
+            "steps_per_second_median": round(sps, 1),
+            "vs_lightning_cpu": round(sps / cpu, 2) if cpu else None,
+            "first_epoch_seconds_median": round(
+                statistics.median(r["first_epoch_seconds"] for r in results), 2
+            ),
+            "peak_rss_mb_median": round(statistics.median(r["peak_rss_mb"] for r in results), 1),
+        }
+        if "compile_seconds" in results[0]:
+            entry["compile_seconds_median"] = round(
+                statistics.median(r["compile_seconds"] for r in results), 2
+            )
+            entry["per_step_us"] = results[-1]["profile_us"]
+        report["configs"][config] = entry
+
+    print(f"\n{'config':<12} {'steps/s':>9} {'x cpu':>7} {'compile s':>10} {'peak MB':>8}")
+    for config, e in report["configs"].items():
+        print(
+            f"{config:<12} {e['steps_per_second_median']:>9.0f} {e['vs_lightning_cpu'] or 0:>7.2f} "
+            f"{e.get('compile_seconds_median', 0):>10.2f} {e['peak_rss_mb_median']:>8.0f}"
+        )
+    for config, e in report["configs"].items():
+        if "per_step_us" in e:
+            print(f"{config} per-step microseconds: {e['per_step_us']}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()
