@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from mncore_device import CompiledFunction, Context
+from mncore_device import CompiledFunction, Context, StaticGraphError
+from mncore_device._source import user_frame
 
 LOG_PREFIX = "log/"
 OUTPUT_PREFIX = "out/"
@@ -37,6 +38,28 @@ class _LogCall:
     kwargs: dict
 
 
+class TraceTimeIndex(int):
+    """`batch_idx` / `dataloader_idx` while a hook is traced.
+
+    The graph is traced once, so a Python value that changes every batch would be frozen
+    into it. Passing the index through is fine; computing with it raises.
+    """
+
+    def _frozen(self, *args: Any) -> Any:
+        raise StaticGraphError(
+            f"the step computes with its batch index (it was {int.__repr__(self)} when the step was traced) "
+            f"at {user_frame() or '<unknown location>'}. A compiled step is traced once, so this "
+            "value would be frozen into the graph. Move batch-dependent logic out of the step "
+            "(e.g. into on_train_batch_start), or compute it from tensors in the batch."
+        )
+
+    __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = _frozen
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _frozen
+    __mod__ = __rmod__ = __floordiv__ = __rfloordiv__ = __truediv__ = __rtruediv__ = _frozen
+    __pow__ = __bool__ = __index__ = __int__ = __float__ = _frozen
+    __hash__ = int.__hash__
+
+
 class LogRecorder:
     """Records `self.log` calls made while a hook is traced; replays them after each call."""
 
@@ -49,6 +72,8 @@ class LogRecorder:
             key = LOG_PREFIX + name
             self.tensors[key] = value.detach()
             self.calls.append(_LogCall(name, key, None, args, kwargs))
+        elif isinstance(value, TraceTimeIndex):
+            value._frozen()
         elif isinstance(value, numbers.Number):
             self.calls.append(_LogCall(name, None, value, args, kwargs))
         else:
@@ -171,6 +196,7 @@ def compile_hook(
     Returns the hook and the inputs of this batch.
     """
     layout, inputs = BatchLayout.of(batch)
+    extra_args = tuple(TraceTimeIndex(a) if type(a) is int else a for a in extra_args)
     recorder = LogRecorder()
     returned = _Returned()
     hook = getattr(module, hook_name)
