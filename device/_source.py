@@ -23,7 +23,9 @@ _EXTRA_LIBRARY_MARKERS = (
 
 
 def _is_library(filename: str) -> bool:
-    path = str(Path(filename).resolve()) if not filename.startswith("<") else filename
+    if filename.startswith("<"):  # generated code (fx, make_fx wrappers), not a notebook cell
+        return not filename.startswith(("<stdin>", "<ipython"))
+    path = str(Path(filename).resolve())
     return path.startswith(_LIBRARY_DIRS) or any(m in path for m in _EXTRA_LIBRARY_MARKERS)
 
 
