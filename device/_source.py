@@ -2,31 +2,38 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import os
 import traceback
 from pathlib import Path
 
 import torch
 
-_LIBRARY_DIRS = tuple(
-    str(Path(p).resolve().parent) + os.sep
-    for p in (torch.__file__, __file__, Path(__file__).parent.parent / "mncore_lightning" / "x")
-)
-_EXTRA_LIBRARY_MARKERS = (
-    f"{os.sep}lightning{os.sep}",
-    f"{os.sep}pytorch_lightning{os.sep}",
-    f"{os.sep}lightning_fabric{os.sep}",
-    f"{os.sep}torchmetrics{os.sep}",
-    "<frozen ",
-    f"{os.sep}contextlib.py",
-)
+
+def _package_dirs(*names: str) -> tuple[str, ...]:
+    """Directories of installed packages, found without importing them."""
+    dirs = []
+    for name in names:
+        spec = importlib.util.find_spec(name)
+        for location in (spec.submodule_search_locations or []) if spec else []:
+            dirs.append(str(Path(location).resolve()) + os.sep)
+    return tuple(dirs)
+
+
+# Frames in these directories are library code; an error names the first frame outside them.
+_LIBRARY_DIRS = (
+    str(Path(torch.__file__).resolve().parent) + os.sep,
+    str(Path(__file__).resolve().parent) + os.sep,
+    str(Path(__file__).resolve().parent.parent / "mncore_lightning") + os.sep,
+    str(Path(contextlib.__file__).resolve()),
+) + _package_dirs("lightning", "pytorch_lightning", "lightning_fabric", "torchmetrics")
 
 
 def _is_library(filename: str) -> bool:
     if filename.startswith("<"):  # generated code (fx, make_fx wrappers), not a notebook cell
         return not filename.startswith(("<stdin>", "<ipython"))
-    path = str(Path(filename).resolve())
-    return path.startswith(_LIBRARY_DIRS) or any(m in path for m in _EXTRA_LIBRARY_MARKERS)
+    return str(Path(filename).resolve()).startswith(_LIBRARY_DIRS)
 
 
 def user_frame(frames: list[traceback.FrameSummary] | None = None) -> str | None:
