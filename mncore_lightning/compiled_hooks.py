@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.data import extract_batch_size
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from mncore_device import CompiledFunction, Context, StaticGraphError
@@ -61,13 +62,20 @@ class TraceTimeIndex(int):
 
 
 class LogRecorder:
-    """Records `self.log` calls made while a hook is traced; replays them after each call."""
+    """Records `self.log` calls made while a hook is traced; replays them after each call.
 
-    def __init__(self) -> None:
+    A compiled hook has a static batch size, so replays pass it to Lightning instead of
+    letting Lightning search the batch for it on every call (same value, less work).
+    """
+
+    def __init__(self, batch_size: int | None = None) -> None:
         self.calls: list[_LogCall] = []
         self.tensors: dict[str, torch.Tensor] = {}
+        self.batch_size = batch_size
 
     def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if self.batch_size is not None and not args:
+            kwargs.setdefault("batch_size", self.batch_size)
         if isinstance(value, torch.Tensor):
             key = LOG_PREFIX + name
             self.tensors[key] = value.detach()
@@ -197,7 +205,7 @@ def compile_hook(
     """
     layout, inputs = BatchLayout.of(batch)
     extra_args = tuple(TraceTimeIndex(a) if type(a) is int else a for a in extra_args)
-    recorder = LogRecorder()
+    recorder = LogRecorder(_static_batch_size(batch))
     returned = _Returned()
     hook = getattr(module, hook_name)
 
@@ -222,6 +230,14 @@ def compile_hook(
             step, inputs, codegen_dir, options=dict(options), cache_options=cache_options
         )
     return CompiledHook(compiled, layout, recorder, returned, to_host), inputs
+
+
+def _static_batch_size(batch: Any) -> int | None:
+    """The batch size Lightning would extract from this batch (None if it cannot tell)."""
+    try:
+        return extract_batch_size(batch)
+    except Exception:  # Lightning warns and falls back on its own when it cannot tell
+        return None
 
 
 def _loss_of(output: Any) -> torch.Tensor:

@@ -1,0 +1,132 @@
+"""Training loaders get drop_last=True (static batch size), with one warning saying the cost."""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning as L
+import pytest
+import torch
+from conftest import LitClassifier, assert_state_close, make_dataset, make_trainer
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset
+
+N, BATCH = 70, 16  # 4 full batches, 6 samples skipped per epoch
+
+
+class DataModule(L.LightningDataModule):
+    def __init__(self, n: int = N, batch_size: int = BATCH, loader_cls=DataLoader) -> None:
+        super().__init__()
+        self.n, self.batch_size, self.loader_cls = n, batch_size, loader_cls
+
+    def setup(self, stage: str) -> None:
+        self.train_set = make_dataset(self.n)
+        self.val_set = make_dataset(30, seed=1)
+
+    def train_dataloader(self):
+        return self.loader_cls(
+            self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=False
+        )
+
+    def val_dataloader(self):
+        return DataLoader(self.val_set, batch_size=self.batch_size)
+
+
+class TaggedLoader(DataLoader):
+    """A DataLoader subclass with an extra constructor argument."""
+
+    def __init__(self, dataset, tag: str = "x", **kwargs) -> None:
+        super().__init__(dataset, **kwargs)
+        self.tag = tag
+
+
+class StepCounter(Callback):
+    def __init__(self) -> None:
+        self.per_epoch: dict[int, int] = {}
+        self.sizes: set[int] = set()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        epoch = trainer.current_epoch
+        self.per_epoch[epoch] = self.per_epoch.get(epoch, 0) + 1
+        self.sizes.add(batch[0].shape[0])
+
+
+def _skip_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if "samples per epoch are skipped" in str(w.message)]
+
+
+@pytest.mark.parametrize("loader_cls", [DataLoader, TaggedLoader])
+def test_datamodule_not_divisible_warns_once_and_drops_last(loader_cls):
+    counter = StepCounter()
+    trainer = make_trainer("mncore", max_epochs=2, callbacks=[counter])
+    with pytest.warns(UserWarning, match=r"6 samples per epoch are skipped") as record:
+        trainer.fit(LitClassifier(), datamodule=DataModule(loader_cls=loader_cls))
+    assert len(_skip_warnings(record)) == 1
+    assert "drop_last=True" in _skip_warnings(record)[0]
+    assert counter.per_epoch == {0: N // BATCH, 1: N // BATCH}
+    assert counter.sizes == {BATCH}
+    assert trainer.global_step == 2 * (N // BATCH)
+    if loader_cls is TaggedLoader:
+        assert trainer.train_dataloader.tag == "x"
+
+
+def test_datamodule_matches_cpu_with_drop_last():
+    """The rebuilt loader keeps the shuffling: same batches as a cpu run with drop_last=True."""
+
+    class DropLastOnCpu(DataModule):
+        def train_dataloader(self):
+            return DataLoader(self.train_set, batch_size=BATCH, shuffle=True, drop_last=True)
+
+    models = {}
+    for accelerator, datamodule in (("cpu", DropLastOnCpu()), ("mncore", DataModule())):
+        L.seed_everything(0, verbose=False)
+        models[accelerator] = LitClassifier()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            make_trainer(accelerator, max_epochs=2).fit(models[accelerator], datamodule=datamodule)
+    assert_state_close(models["mncore"], models["cpu"])
+
+
+def test_divisible_dataset_gives_no_warning(recwarn):
+    make_trainer("mncore", max_epochs=1).fit(LitClassifier(), datamodule=DataModule(n=64))
+    assert _skip_warnings(recwarn.list) == []
+
+
+def test_loader_passed_to_fit_is_rebuilt_too():
+    counter = StepCounter()
+    data = DataLoader(make_dataset(N), batch_size=BATCH, shuffle=False)
+    trainer = make_trainer("mncore", max_epochs=1, callbacks=[counter])
+    with pytest.warns(UserWarning, match=r"6 samples per epoch are skipped"):
+        trainer.fit(LitClassifier(), data)
+    assert counter.per_epoch == {0: N // BATCH}
+
+
+def test_custom_batch_sampler_warns_and_fails_with_a_clear_error():
+    dataset = make_dataset(N)
+    sampler = _CustomBatchSampler(SequentialSampler(dataset), BATCH, drop_last=False)
+    data = DataLoader(dataset, batch_sampler=sampler)
+    trainer = make_trainer("mncore", max_epochs=1)
+    with (
+        pytest.warns(UserWarning, match="custom batch sampler"),
+        pytest.raises(ValueError, match=r"batch size differs \(6 vs 16\).*drop_last=True"),
+    ):
+        trainer.fit(LitClassifier(), data)
+
+
+class _CustomBatchSampler(BatchSampler):
+    pass
+
+
+def test_validation_loader_is_not_rebuilt():
+    """Only training needs full batches: the val loader keeps its ragged last batch."""
+    seen: list[int] = []
+
+    class ValSizes(Callback):
+        def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, *a):
+            seen.append(batch[0].shape[0])
+
+    val = DataLoader(TensorDataset(*make_dataset(20).tensors), batch_size=BATCH)
+    trainer = make_trainer("mncore", max_epochs=1, callbacks=[ValSizes()])
+    trainer.fit(LitClassifier(), DataLoader(make_dataset(32), batch_size=BATCH), val)
+    assert seen == [16, 4]
+    assert torch.is_tensor(trainer.callback_metrics["val_loss"])
