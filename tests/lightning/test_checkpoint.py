@@ -11,7 +11,8 @@ import importlib.util
 import lightning as L
 import pytest
 import torch
-from conftest import (
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning_testing import (
     ATOL,
     LitClassifier,
     assert_optimizer_state_close,
@@ -21,7 +22,6 @@ from conftest import (
     make_trainer,
     mncore_env,
 )
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 RESUME_ATOL = 1e-6
 

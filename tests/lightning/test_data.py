@@ -7,8 +7,8 @@ import warnings
 import lightning as L
 import pytest
 import torch
-from conftest import LitClassifier, assert_state_close, make_dataset, make_trainer
 from lightning.pytorch.callbacks import Callback
+from lightning_testing import LitClassifier, assert_state_close, make_dataset, make_trainer
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset
 
 N, BATCH = 70, 16  # 4 full batches, 6 samples skipped per epoch

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import LitClassifier, loader, make_trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning_testing import LitClassifier, loader, make_trainer
 from torch.utils.data import DataLoader, TensorDataset
 
 from mncore_device import StaticGraphError

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import LitClassifier, assert_metrics_close, fit_once, loader, make_trainer
 from lightning.pytorch.callbacks import Callback
+from lightning_testing import LitClassifier, assert_metrics_close, fit_once, loader, make_trainer
 from torch.utils.data import DataLoader, TensorDataset
 
 

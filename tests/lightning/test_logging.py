@@ -11,9 +11,16 @@ import csv
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ATOL, LitClassifier, assert_metrics_close, fit_once, loader, mncore_env
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning_testing import (
+    ATOL,
+    LitClassifier,
+    assert_metrics_close,
+    fit_once,
+    loader,
+    mncore_env,
+)
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import LitClassifier, assert_state_close, fit_once, loader
 from lightning.pytorch.callbacks import Callback
+from lightning_testing import LitClassifier, assert_state_close, fit_once, loader
 
 
 class CompileWatcher(Callback):
@@ -164,15 +164,7 @@ class CustomScheduler(LitClassifier):
 @pytest.mark.parametrize(
     "kind",
     [
-        pytest.param(
-            "sequential",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="BUG: MNCoreStrategy.setup_optimizers swaps only scheduler.optimizer; "
-                "SequentialLR's child schedulers keep the old torch optimizer, so their lr "
-                "changes never reach the compiled step",
-            ),
-        ),
+        "sequential",
         "plateau",
         "lambda-step",
     ],
@@ -186,12 +178,6 @@ def test_other_schedulers_match_cpu(kind):
     _assert_one_compile(watch)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: torch warns 'optimizer.step() has been overridden after learning rate "
-    "scheduler initialization' at every mncore fit with a scheduler: the converted optimizer's "
-    "step is not wrapped by the scheduler's step tracker (MNCoreStrategy.setup_optimizers)",
-)
 def test_scheduler_gives_no_spurious_warning(recwarn):
     _run("mncore", dict(scheduler="step"), epochs=2)
     messages = [str(w.message) for w in recwarn.list]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-from conftest import (
+from lightning_testing import (
     ATOL,
     LitClassifier,
     assert_metrics_close,

@@ -12,12 +12,12 @@ from pathlib import Path
 import lightning
 import lightning as L
 import pytest
-from conftest import LitClassifier, loader, make_trainer
 from lightning.pytorch.callbacks import DeviceStatsMonitor
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning_testing import LitClassifier, loader, make_trainer
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
@@ -180,14 +180,6 @@ def test_accelerator_stats_source_cleared_after_fit():
     assert trainer.accelerator.stats_source is None
 
 
-def _has_psutil() -> bool:
-    try:
-        import psutil  # noqa: F401
-    except ModuleNotFoundError:
-        return False
-    return True
-
-
 def _fit_with_device_stats(tmp_path, monitor: DeviceStatsMonitor) -> list[dict[str, str]]:
     logger = CSVLogger(tmp_path, name="stats")
     trainer = make_trainer(max_epochs=2, logger=logger, log_every_n_steps=1, callbacks=[monitor])
@@ -215,22 +207,15 @@ def test_device_stats_monitor_cpu_stats_true_with_csv_logger(tmp_path):
     _check_device_counters(_fit_with_device_stats(tmp_path, DeviceStatsMonitor(cpu_stats=True)))
 
 
-@pytest.mark.xfail(
-    not _has_psutil(),
-    strict=True,
-    raises=ModuleNotFoundError,
-    reason="BUG: DeviceStatsMonitor() under accelerator='mncore' needs psutil (strategy."
-    "root_device is cpu, so Lightning treats it as a CPU run), but psutil is not in "
-    "setup.cfg install_requires",
-)
 def test_device_stats_monitor_default_with_csv_logger(tmp_path):
     _check_device_counters(_fit_with_device_stats(tmp_path, DeviceStatsMonitor()))
 
 
 @pytest.mark.xfail(
     strict=True,
-    reason="BUG: DeviceStatsMonitor(cpu_stats=False) logs nothing under accelerator='mncore': "
-    "Lightning returns early when cpu_stats is False and root_device.type == 'cpu'",
+    reason="known limitation: DeviceStatsMonitor(cpu_stats=False) logs nothing under "
+    "accelerator='mncore': the Trainer's root device is the host CPU, and Lightning returns "
+    "early when cpu_stats is False and root_device.type == 'cpu'. Use the default monitor.",
 )
 def test_device_stats_monitor_without_cpu_stats_logs_device_counters(tmp_path):
     rows = _fit_with_device_stats(tmp_path, DeviceStatsMonitor(cpu_stats=False))
