@@ -9,7 +9,7 @@ from . import storage
 from .artifacts import CacheOptions
 from .compiled import CompiledFunction, InputProxy
 from .context import Context, RegisteredValueProxy
-from .device import MNDevice, mlsdk_available
+from .device import BACKENDS, MNDevice, mlsdk_available, resolve_backend
 from .errors import (
     InputSpecError,
     MLSDKNotInstalledError,
@@ -17,6 +17,12 @@ from .errors import (
     NonFiniteError,
     RegistrationError,
     StaticGraphError,
+)
+from .mlsdk_backend import (
+    MLSDKCompiledFunction,
+    MLSDKContext,
+    device_optimizer,
+    to_mlsdk_optimizer,
 )
 from .naming import (
     get_tensor_name,
@@ -28,12 +34,15 @@ from .presets import PRESET_NAMES, load_preset, preset_path
 from .specs import TensorSpec
 
 __all__ = [
+    "BACKENDS",
     "PRESET_NAMES",
     "CacheOptions",
     "CompiledFunction",
     "Context",
     "InputProxy",
     "InputSpecError",
+    "MLSDKCompiledFunction",
+    "MLSDKContext",
     "MLSDKNotInstalledError",
     "MNCoreError",
     "MNDevice",
@@ -42,12 +51,15 @@ __all__ = [
     "RegistrationError",
     "StaticGraphError",
     "TensorSpec",
+    "device_optimizer",
     "get_tensor_name",
     "load_preset",
     "mlsdk_available",
     "preset_path",
+    "resolve_backend",
     "set_buffer_name_in_optimizer",
     "set_tensor_name",
     "set_tensor_name_in_module",
     "storage",
+    "to_mlsdk_optimizer",
 ]

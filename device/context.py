@@ -16,7 +16,7 @@ import torch
 from . import artifacts
 from .artifacts import CacheOptions
 from .compiled import CompiledFunction, DeviceSlot
-from .device import MNDevice
+from .device import EMULATOR_BACKEND, MLSDK_BACKEND, MNDevice, resolve_backend
 from .errors import RegistrationError
 from .executors import build_executor
 from .naming import get_tensor_name, name_optimizer_state
@@ -57,12 +57,25 @@ class RegisteredValueProxy:
 
 
 class Context:
-    """Device memory plus the functions compiled against it."""
+    """Device memory plus the functions compiled against it.
+
+    `Context(device, backend=None)`: the device string picks the backend ("mncore2:*" runs on
+    PFN's MLSDK, "pfvm:*" on this package's emulator; backend="mlsdk" runs "pfvm:*" on MLSDK's
+    own virtual machine). On MLSDK the result is an `MLSDKContext`, with the same methods.
+    """
 
     _current: Context | None = None
 
-    def __init__(self, device: MNDevice | str = "pfvm:cpu") -> None:
+    def __new__(cls, device: MNDevice | str = "pfvm:cpu", backend: str | None = None) -> Context:
+        if cls is Context and resolve_backend(device, backend) == MLSDK_BACKEND:
+            from .mlsdk_backend import MLSDKContext
+
+            return super().__new__(MLSDKContext)
+        return super().__new__(cls)
+
+    def __init__(self, device: MNDevice | str = "pfvm:cpu", backend: str | None = None) -> None:
         self.device = device if isinstance(device, MNDevice) else MNDevice(device)
+        self.backend = EMULATOR_BACKEND
         self._slots: dict[str, DeviceSlot] = {}
         self._by_id: dict[int, DeviceSlot] = {}
         self._optimizers: list[torch.optim.Optimizer] = []
@@ -71,8 +84,12 @@ class Context:
 
     @staticmethod
     def switch_context(context: Context) -> None:
-        """Make `context` the current one."""
+        """Make `context` the current one (on MLSDK, MLSDK's current context too)."""
         Context._current = context
+        context._made_current()
+
+    def _made_current(self) -> None:
+        """Called by switch_context: a backend with its own current context follows it."""
 
     @staticmethod
     def get_current_context() -> Context:

@@ -12,10 +12,47 @@ from .errors import MLSDKNotInstalledError
 EMULATED = "pfvm"
 HARDWARE = "mncore2"
 
+EMULATOR_BACKEND = "emulator"  # this package's emulated MN-Core
+MLSDK_BACKEND = "mlsdk"  # PFN's MLSDK: real hardware, or MLSDK's own virtual machine (pfvm)
+BACKENDS = (EMULATOR_BACKEND, MLSDK_BACKEND)
+
 
 def mlsdk_available() -> bool:
     """True when PFN's MLSDK can be imported on this machine."""
     return importlib.util.find_spec("mlsdk") is not None
+
+
+def mlsdk_missing_message(what: str) -> str:
+    """What to do when `what` needs MLSDK and it is not importable."""
+    return (
+        f"{what} needs PFN's MLSDK (Python module 'mlsdk'), which is not importable here. "
+        "MLSDK ships with the MN-Core SDK and is not on PyPI: on an MN-Core machine, run in the "
+        "SDK's Python environment (PFN's examples source codegen_pythonpath.sh from the SDK's "
+        "build directory, /opt/pfn/pfcomp/codegen/build on SDK images; see "
+        "https://dev.mn-core.com). Without MN-Core, use the emulator: 'pfvm:cpu' or 'pfvm:cuda'."
+    )
+
+
+def resolve_backend(device: MNDevice | str, backend: str | None = None) -> str:
+    """Which implementation runs `device`: "mlsdk" (PFN's SDK) or "emulator" (this package).
+
+    The device string decides unless `backend` is given: "mncore2:*" is real hardware and runs
+    on MLSDK; "pfvm:*" runs on the emulator, or on MLSDK's own virtual machine with
+    backend="mlsdk". Choosing MLSDK without MLSDK installed raises MLSDKNotInstalledError.
+    """
+    kind = device.kind if isinstance(device, MNDevice) else str(device).partition(":")[0]
+    if backend is None:
+        backend = MLSDK_BACKEND if kind == HARDWARE else EMULATOR_BACKEND
+    elif backend not in BACKENDS:
+        raise ValueError(f"unknown MN-Core backend {backend!r}: use 'emulator' or 'mlsdk'")
+    elif backend == EMULATOR_BACKEND and kind == HARDWARE:
+        raise ValueError(
+            f"device {str(device)!r} is real MN-Core hardware, which runs on MLSDK: the emulator "
+            "backend runs 'pfvm:cpu' or 'pfvm:cuda'"
+        )
+    if backend == MLSDK_BACKEND and not mlsdk_available():
+        raise MLSDKNotInstalledError(mlsdk_missing_message(f"MN-Core device {str(device)!r}"))
+    return backend
 
 
 @dataclass(frozen=True, init=False)
@@ -36,11 +73,7 @@ class MNDevice:
             if not (index == "auto" or index.isdigit()):
                 raise ValueError(f"MNDevice({spec!r}): use 'mncore2:auto' or 'mncore2:N'")
             if not mlsdk_available():
-                raise MLSDKNotInstalledError(
-                    f"MNDevice({spec!r}) needs PFN's MLSDK (Python module 'mlsdk'), which is not "
-                    "installed here. Run on an MN-Core machine with the MN-Core SDK, or use the "
-                    "emulator: 'pfvm:cpu' or 'pfvm:cuda'."
-                )
+                raise MLSDKNotInstalledError(mlsdk_missing_message(f"MNDevice({spec!r})"))
             torch_device = torch.device("cpu")
         elif kind == EMULATED:
             torch_device = _emulated_torch_device(spec, index)

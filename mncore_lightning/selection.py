@@ -51,7 +51,8 @@ def install() -> None:
         strategy = trainer.strategy
         used = isinstance(strategy, MNCoreStrategy)
         device = strategy.mncore_device if used else None
-        where = f" ({device}, {'emulated' if device.is_emulated else 'MLSDK'})" if used else ""
+        backend = "MLSDK" if used and strategy.backend == "mlsdk" else "emulated"
+        where = f" ({device}, {backend})" if used else ""
         rank_zero_info(f"MN-Core available: True{where}, used: {used}")
 
     _AcceleratorConnector._choose_strategy = _choose_strategy

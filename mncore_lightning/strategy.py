@@ -10,6 +10,7 @@ are refreshed from the device before checkpoints, at the end of fit and on teard
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -24,8 +25,10 @@ from mncore_device import (
     CacheOptions,
     Context,
     MNDevice,
+    resolve_backend,
     set_buffer_name_in_optimizer,
     set_tensor_name_in_module,
+    to_mlsdk_optimizer,
 )
 
 from .compiled_hooks import BatchLayout, CompiledHook, compile_hook
@@ -47,6 +50,9 @@ class MNCoreStrategy(SingleDeviceStrategy):
         preset: compile preset, "debug" or "O0" ... "O4" (default: $MNCORE_PRESET, else O1).
         codegen_dir: where each compiled step's graph and specs are written (optional).
         cache_dir: compile cache shared between runs (optional).
+        backend: "mlsdk" or "emulator"; default: the device string decides ("mncore2:*" runs
+            on PFN's MLSDK, "pfvm:*" on the emulator). backend="mlsdk" runs "pfvm:*" on
+            MLSDK's own virtual machine.
     """
 
     strategy_name = "mncore"
@@ -60,6 +66,7 @@ class MNCoreStrategy(SingleDeviceStrategy):
         accelerator: Any = None,
         checkpoint_io: Any = None,
         precision_plugin: Precision | None = None,
+        backend: str | None = None,
     ) -> None:
         super().__init__(
             device=torch.device("cpu"),
@@ -68,6 +75,7 @@ class MNCoreStrategy(SingleDeviceStrategy):
             precision_plugin=precision_plugin or MNCorePrecision(),
         )
         self.mncore_device = MNDevice(resolve_device(device))
+        self.backend = resolve_backend(self.mncore_device, backend)
         self.preset = resolve_preset(preset)
         self.codegen_dir = Path(codegen_dir) if codegen_dir is not None else None
         self.cache_options = CacheOptions(cache_dir) if cache_dir is not None else None
@@ -130,15 +138,18 @@ class MNCoreStrategy(SingleDeviceStrategy):
                 f"returned {len(self.optimizers)} optimizers. Return one optimizer (with several "
                 "param groups if needed)."
             )
-        converted = [from_torch(opt) for opt in self.optimizers]
-        for config in self.lr_scheduler_configs:
-            for old, new in zip(self.optimizers, converted):
-                if getattr(config.scheduler, "optimizer", None) is old:
-                    config.scheduler.optimizer = new
+        if self.backend == "mlsdk":  # MLSDK's own optimizers, same hyperparameters
+            converted = [to_mlsdk_optimizer(opt) for opt in self.optimizers]
+        else:
+            converted = [from_torch(opt) for opt in self.optimizers]
+        for old, new in zip(self.optimizers, converted):
+            if new is not old:
+                for config in self.lr_scheduler_configs:
+                    _repoint_scheduler(config.scheduler, old, new)
         self.optimizers = converted
 
     def _setup_context(self) -> None:
-        self.context = Context(self.mncore_device)
+        self.context = Context(self.mncore_device, self.backend)
         Context.switch_context(self.context)
         module = self.lightning_module
         set_tensor_name_in_module(module, "model")
@@ -227,6 +238,8 @@ class MNCoreStrategy(SingleDeviceStrategy):
 
     def _to_host(self, outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The one place where device outputs (logged values, returns) become host tensors."""
+        if self.backend == "mlsdk":  # MLSDK tensor proxies, all of one call's at once
+            return self.context.to_host(outputs)
         if self.mncore_device.torch_device.type == "cpu":
             return outputs
         return {k: v.to("cpu") for k, v in outputs.items()}
@@ -306,6 +319,31 @@ class MNCoreStrategy(SingleDeviceStrategy):
             strategy_registry.register(
                 cls.strategy_name, cls, description="one compiled step per batch on MN-Core"
             )
+
+
+def _repoint_scheduler(scheduler: Any, old: Any, new: Any) -> None:
+    """Make a scheduler (and the schedulers it chains) drive the converted optimizer."""
+    if getattr(scheduler, "optimizer", None) is old:
+        scheduler.optimizer = new
+        _track_step_calls(new)
+    for child in getattr(scheduler, "_schedulers", ()):  # SequentialLR, ChainedScheduler
+        _repoint_scheduler(child, old, new)
+
+
+def _track_step_calls(optimizer: Any) -> None:
+    """What torch's LRScheduler does to the optimizer it was built with: mark step() calls,
+    so that it does not warn that step() was overridden or skipped."""
+    step = optimizer.step
+    if hasattr(step, "_wrapped_by_lr_sched"):
+        return
+
+    @functools.wraps(step)
+    def tracked_step(*args: Any, **kwargs: Any) -> Any:
+        optimizer._opt_called = True
+        return step(*args, **kwargs)
+
+    tracked_step._wrapped_by_lr_sched = True
+    optimizer.step = tracked_step
 
 
 def _matches(hook: CompiledHook, inputs: dict[str, torch.Tensor]) -> bool:
