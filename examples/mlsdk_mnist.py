@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from mncore_device import (
         Context,
         MNDevice,
+        device_optimizer,
         set_buffer_name_in_optimizer,
         set_tensor_name_in_module,
         storage,
@@ -99,7 +100,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         context.register_param(param)
     for buffer in model.buffers():
         context.register_buffer(buffer)
-    optimizer = MNCoreSGD(model.parameters(), 0.1, 0.9, 0.0)
+    # On real hardware (MLSDK backend) this becomes mlsdk.MNCoreSGD with the same arguments.
+    optimizer = device_optimizer(context, MNCoreSGD(model.parameters(), 0.1, 0.9, 0.0))
     set_buffer_name_in_optimizer(optimizer, "optimizer")
     context.register_optimizer_buffers(optimizer)
 
