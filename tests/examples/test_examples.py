@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import sys
-import types
 from pathlib import Path
 from typing import Any
 
@@ -237,89 +236,6 @@ def test_mlsdk_mnist(
     assert_accuracy_line(stdout, result)
     assert "epoch 0, iter 0, loss " in stdout and "epoch 0, loss " in stdout
     assert_tutorial_checkpoint(tmp_path / "checkpoint.pt", MLP_PARAMETERS)
-    assert_png(tmp_path / "loss_curve.png")
-
-
-class FakeContext:
-    """Stands in for mncore_device.Context: records the calls, runs functions eagerly."""
-
-    current: FakeContext | None = None
-
-    def __init__(self, device: Any) -> None:
-        self.device = device
-        self.registered: list[torch.Tensor] = []
-        self.compiled: list[tuple[str, dict[str, tuple[int, ...]], str]] = []
-        self.synchronized = False
-
-    @classmethod
-    def switch_context(cls, context: FakeContext) -> None:
-        cls.current = context
-
-    def register_param(self, tensor: torch.Tensor) -> None:
-        self.registered.append(tensor)
-
-    register_buffer = register_param
-
-    def register_optimizer_buffers(self, optimizer: torch.optim.Optimizer) -> None:
-        self.optimizer = optimizer
-
-    def compile(self, function: Any, inputs: dict, codegen_dir: Any, options: dict) -> Any:
-        shapes = {name: tuple(value.shape) for name, value in inputs.items()}
-        self.compiled.append((function.__name__, shapes, options["option_json"]))
-        Path(codegen_dir).mkdir(parents=True)
-        return function
-
-    def synchronize(self) -> None:
-        self.synchronized = True
-
-
-def test_mlsdk_mnist_control_flow_with_a_fake_device(
-    monkeypatch: pytest.MonkeyPatch,
-    tmp_path: Path,
-    no_mnist_dir: Path,
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    """The loop, the padded evaluation and the outputs on stand-ins for the device layer.
-
-    Runs with or without mncore_device. The stand-ins record what the example asks of the
-    device and run the step functions eagerly, so the accuracy it prints can be checked against
-    the saved model evaluated here on every one of the 300 test digits.
-    """
-    device = types.ModuleType("mncore_device")
-    device.Context = FakeContext
-    device.MNDevice = lambda name: name
-    device.set_tensor_name_in_module = lambda module, prefix: None
-    device.set_buffer_name_in_optimizer = lambda optimizer, prefix: None
-    device.storage = types.SimpleNamespace(path=Path)
-    optimizers = types.ModuleType("mncore_lightning.optimizers")
-    optimizers.MNCoreSGD = lambda params, lr, momentum, dampening: torch.optim.SGD(
-        params, lr=lr, momentum=momentum, dampening=dampening
-    )
-    monkeypatch.setitem(sys.modules, "mncore_device", device)
-    monkeypatch.setitem(sys.modules, "mncore_lightning.optimizers", optimizers)
-    import mlsdk_mnist
-    from mnist import MLP
-
-    argv = ["--outdir", str(tmp_path), "--data-dir", str(no_mnist_dir), "--preset", "O2"]
-    result = mlsdk_mnist.main([*argv, "--epochs", "2", "--limit-train-batches", "5"])
-    stdout = capsys.readouterr().out
-
-    context = FakeContext.current
-    assert context is not None and context.device == "pfvm:cpu" and context.synchronized
-    assert len(context.registered) == 4
-    assert context.compiled == [
-        ("train_step", {"x": (64, 1, 32, 32), "t": (64,)}, "O2"),
-        ("eval_step", {"x": (125, 1, 32, 32), "t": (125,)}, "O2"),
-    ]
-    assert "epoch 1, iter 0, loss " in stdout and "epoch 1, loss " in stdout
-    assert_accuracy_line(stdout, result)
-
-    checkpoint = assert_tutorial_checkpoint(tmp_path / "checkpoint.pt", MLP_PARAMETERS)
-    model = MLP()
-    model.load_state_dict(checkpoint["model_state_dict"])
-    x, t = _test_split(no_mnist_dir)
-    with torch.no_grad():
-        assert result["correct"] == int((model(x).argmax(dim=1) == t).sum())
     assert_png(tmp_path / "loss_curve.png")
 
 
