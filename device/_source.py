@@ -36,14 +36,23 @@ def _is_library(filename: str) -> bool:
     return str(Path(filename).resolve()).startswith(_LIBRARY_DIRS)
 
 
-def user_frame(frames: list[traceback.FrameSummary] | None = None) -> str | None:
-    """`file:line in function: code` of the innermost frame outside torch and this package."""
+def user_frame_summary(
+    frames: list[traceback.FrameSummary] | None = None,
+) -> traceback.FrameSummary | None:
+    """The innermost frame outside torch, Lightning and this package."""
     frames = traceback.extract_stack() if frames is None else frames
     for frame in reversed(frames):
         if not _is_library(frame.filename):
-            code = (frame.line or "").strip()
-            return f"{frame.filename}:{frame.lineno} in {frame.name}: {code}"
+            return frame
     return None
+
+
+def user_frame(frames: list[traceback.FrameSummary] | None = None) -> str | None:
+    """`file:line in function: code` of the innermost frame outside torch and this package."""
+    frame = user_frame_summary(frames)
+    if frame is None:
+        return None
+    return f"{frame.filename}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
 
 
 def user_frame_from_stack_trace(stack_trace: str | None) -> str | None:

@@ -57,11 +57,20 @@ def describe(traced: TracedStep) -> dict:
 def save(path: Path, traced: TracedStep, specs: dict, preset: Preset) -> None:
     """Write a codegen directory."""
     path.mkdir(parents=True, exist_ok=True)
-    torch.save(traced.graph_module, path / "graph.pt")
+    torch.save(_portable(traced.graph_module), path / "graph.pt")
     (path / "graph.py").write_text(traced.graph_module.code)
     (path / "specs.json").write_text(json.dumps({**specs, "preset": preset.to_json()}, indent=1))
     captured = {s.name: s.tensor.detach().cpu() for s in traced.state if s.kind != REGISTERED}
     torch.save(captured, path / "captured.pt")
+
+
+def _portable(gm: fx.GraphModule) -> fx.GraphModule:
+    """A plain GraphModule of the same graph: make_fx's own class re-traces itself with the
+    proxy-tensor tracer when unpickled, which fails in a process that has not imported some
+    of torch's internals; a plain one is rebuilt by the ordinary FX tracer."""
+    plain = fx.GraphModule(torch.nn.Module(), gm.graph)
+    plain._tracer_cls = None
+    return plain
 
 
 def load(path: Path) -> tuple[TracedStep, dict]:

@@ -38,14 +38,19 @@ class InputProxy:
         self.name = name
         self.spec = spec
         self.tensor = torch.empty(spec.shape, dtype=spec.dtype, device=device)
+        self._owned = True
 
     def load_from(self, tensor: torch.Tensor, clone: bool = True) -> None:
         """Copy `tensor` into the buffer; with clone=False a same-device tensor is used as is."""
         _check_spec(self.name, self.spec, tensor)
         if not clone and tensor.device == self.tensor.device:
-            self.tensor = tensor
-        else:
+            self.tensor = tensor  # borrowed: never written into
+            self._owned = False
+        elif self._owned:
             self.tensor.copy_(tensor)
+        else:
+            self.tensor = tensor.detach().to(self.tensor.device, copy=True)
+            self._owned = True
 
     def cpu(self) -> torch.Tensor:
         return self.tensor.cpu()
@@ -128,7 +133,9 @@ class CompiledFunction:
                 raise TypeError(f"input {key!r} must be a tensor, got {type(value).__name__}")
             if value.shape != spec.shape or value.dtype != spec.dtype:
                 _check_spec(key, spec, value)
-            args.append(value if value.device == device else value.to(device, non_blocking=True))
+            if value.device != device:
+                value = value.to(device, non_blocking=True)
+            args.append(value if value.is_contiguous() else value.contiguous())
         return args
 
 

@@ -52,8 +52,8 @@ class RegisteredValueProxy:
         self._slot.value = tensor.detach().to(current.device, current.dtype, copy=True)
 
     def cpu(self) -> torch.Tensor:
-        """The device value, copied to the host."""
-        return self._slot.value.detach().cpu()
+        """A host copy of the device value (a snapshot: later calls do not change it)."""
+        return self._slot.value.detach().to("cpu", copy=True)
 
 
 class Context:
@@ -151,27 +151,32 @@ class Context:
 
     def get_registered_value_proxy(self, tensor: torch.Tensor) -> RegisteredValueProxy:
         """The device-side value of a registered tensor, for explicit transfers."""
+        return RegisteredValueProxy(self._slot_of(tensor))
+
+    def _slot_of(self, tensor: torch.Tensor) -> DeviceSlot:
         slot = self._by_id.get(id(tensor))
         if slot is None or slot.host is not tensor:
             name = get_tensor_name(tensor)
             raise RegistrationError(
                 f"tensor {name or list(tensor.shape)} is not registered in this Context"
             )
-        return RegisteredValueProxy(slot)
+        return slot
+
+    def _slots_of(self, tensors: Iterable[torch.Tensor] | None) -> Iterable[DeviceSlot]:
+        return self._slots.values() if tensors is None else [self._slot_of(t) for t in tensors]
 
     # --- host <-> device ------------------------------------------------------------------
 
     def synchronize(self, tensors: Iterable[torch.Tensor] | None = None) -> None:
         """Write registered device values back into their host tensors (all, or `tensors`)."""
-        slots = self._slots.values() if tensors is None else [self._by_id[id(t)] for t in tensors]
+        slots = self._slots_of(tensors)
         with torch.no_grad():
             for slot in slots:
                 slot.host.copy_(slot.value)
 
     def load_from_host(self, tensors: Iterable[torch.Tensor] | None = None) -> None:
         """Push host values of registered tensors to the device (all, or `tensors`)."""
-        slots = self._slots.values() if tensors is None else [self._by_id[id(t)] for t in tensors]
-        for slot in slots:
+        for slot in self._slots_of(tensors):
             RegisteredValueProxy(slot).load_from(slot.host)
 
     # --- compilation ------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
+from torch._decomp import get_decompositions
 from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import (
     disable_proxy_modes_tracing,
@@ -31,7 +32,7 @@ from torch.fx.experimental.proxy_tensor import (
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ._source import user_frame
+from ._source import user_frame, user_frame_summary
 from .errors import StaticGraphError
 from .naming import get_tensor_name
 from .specs import TensorSpec
@@ -52,6 +53,9 @@ _DATA_DEPENDENT_OPS = {
     aten._unique2.default: "produces a value-dependent shape (unique)",
     aten.unique_consecutive.default: "produces a value-dependent shape (unique_consecutive)",
 }
+# native_batch_norm updates running stats in place in a way functionalization leaves alone;
+# its decomposition uses _native_batch_norm_legit, which functionalizes into new values.
+_DECOMPOSITIONS = get_decompositions([aten.native_batch_norm.default])
 _PROFILER_OPS = ("_record_function_enter", "_record_function_exit")
 
 
@@ -116,9 +120,7 @@ def trace_step(
 
     with _rng_preserved():
         with _restored(reg_tensors, optimizers, guard):
-            gm = make_fx(flat_step, tracing_mode="real", record_stack_traces=True)(
-                *reg_tensors, *inputs
-            )
+            gm = make_fx(flat_step, _DECOMPOSITIONS, tracing_mode="real")(*reg_tensors, *inputs)
         gm = _strip_profiler_ops(gm)
         constants = _lift_constants(gm, n_inputs_before=len(reg_tensors))
         state = [StateBinding(n, REGISTERED, t) for n, t in zip(reg_names, reg_tensors)]
@@ -175,7 +177,25 @@ class _TraceGuard(TorchDispatchMode):
                 written = arg.alias_info is not None and arg.alias_info.is_write
                 if written and isinstance(value, torch.Tensor) and not _is_traced(value, tracer):
                     self._save(value)
-        return func(*args, **kwargs)
+        result = func(*args, **kwargs)
+        self._record_source(result, tracer)
+        return result
+
+    @staticmethod
+    def _record_source(result, tracer) -> None:
+        """Remember the user's line on the graph node, for errors raised when it runs."""
+        frame = user_frame_summary()
+        if frame is None:
+            return
+        text = (
+            f'  File "{frame.filename}", line {frame.lineno}, in {frame.name}\n    {frame.line}\n'
+        )
+        for value in tree_leaves(result):
+            if isinstance(value, torch.Tensor):
+                proxy = get_proxy_slot(value, tracer, None)
+                node = getattr(getattr(proxy, "proxy", None), "node", None)
+                if node is not None:
+                    node.meta["stack_trace"] = text
 
     def _save(self, tensor: torch.Tensor) -> None:
         if id(tensor) not in self.saved:
@@ -208,20 +228,24 @@ class _restored:
         self.state_keys = [_state_keys(o) for o in self.optimizers]
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
         with torch.no_grad():
             for tensor, value, grad in zip(self.tensors, self.values, self.grads):
                 tensor.copy_(value)
                 tensor.grad = grad
         self.guard.restore()
+        lazy = [o for o, k in zip(self.optimizers, self.state_keys) if _state_keys(o) != k]
         for optimizer, keys in zip(self.optimizers, self.state_keys):
-            if _state_keys(optimizer) != keys and exc[0] is None:
-                raise StaticGraphError(
-                    f"{type(optimizer).__name__} created new state while the step was traced "
-                    "(torch.optim creates momentum/Adam buffers lazily on the first step). "
-                    "Device state must exist before compile: use mncore_lightning.optimizers "
-                    "(MNCoreSGD, MNCoreAdam, MNCoreAdamW), whose state is created eagerly."
-                )
+            _drop_new_state(optimizer, dict(keys))
+        if lazy:
+            # Lazy state often fails tracing first (torch.optim.Adam reads its new step with
+            # .item()); the cause worth naming is the lazy state, so it wins.
+            raise StaticGraphError(
+                f"{type(lazy[0]).__name__} created new state while the step was traced "
+                "(torch.optim creates momentum/Adam buffers lazily on the first step). "
+                "Device state must exist before compile: use mncore_lightning.optimizers "
+                "(MNCoreSGD, MNCoreAdam, MNCoreAdamW), whose state is created eagerly."
+            ) from exc
 
 
 @contextlib.contextmanager
@@ -239,6 +263,17 @@ def _rng_preserved():
 
 def _state_keys(optimizer: torch.optim.Optimizer) -> list[tuple[int, tuple[str, ...]]]:
     return [(id(p), tuple(s)) for p, s in optimizer.state.items()]
+
+
+def _drop_new_state(optimizer: torch.optim.Optimizer, keys: dict[int, tuple[str, ...]]) -> None:
+    """Remove state entries that appeared during tracing, in place."""
+    for param in list(optimizer.state):
+        if id(param) not in keys:
+            del optimizer.state[param]
+            continue
+        entry = optimizer.state[param]
+        for key in [k for k in entry if k not in keys[id(param)]]:
+            del entry[key]
 
 
 def _check_outputs(result) -> Mapping[str, torch.Tensor]:

@@ -1,0 +1,180 @@
+"""Compiling and calling functions: presets, input checks, specs and explicit transfers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from device_testing import compile_o0, register
+
+import mncore_device
+from mncore_device import InputSpecError, TensorSpec, preset_path
+
+
+def add(batch):
+    return {"out": batch["x"] + batch["y"]}
+
+
+@pytest.fixture
+def xy():
+    return {"x": torch.randn(4, 3), "y": torch.randn(4, 3)}
+
+
+@pytest.fixture
+def compiled_add(context, xy):
+    return compile_o0(context, add, xy)
+
+
+def test_add_computes_the_sum(compiled_add, xy):
+    out = compiled_add(xy)
+    assert list(out) == ["out"]
+    torch.testing.assert_close(out["out"], xy["x"] + xy["y"], rtol=0, atol=0)
+    other = {"x": torch.ones(4, 3), "y": torch.full((4, 3), 2.0)}
+    torch.testing.assert_close(compiled_add(other)["out"], torch.full((4, 3), 3.0))
+
+
+@pytest.mark.parametrize(
+    "option_json",
+    ["O0", "debug", "O0.json", str(preset_path("O0")), preset_path("debug")],
+    ids=["name", "debug-name", "file-name", "path-str", "path"],
+)
+def test_preset_by_name_or_json_path(context, xy, option_json):
+    compiled = context.compile(add, xy, options={"option_json": option_json})
+    torch.testing.assert_close(compiled(xy)["out"], xy["x"] + xy["y"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("option_json", ["O9", "fast", "/nonexistent/preset.json"])
+def test_unknown_preset_raises_value_error(context, xy, option_json):
+    with pytest.raises(ValueError, match="unknown compile preset"):
+        context.compile(add, xy, options={"option_json": option_json})
+
+
+def test_wrong_batch_size_names_input_shapes_and_drop_last(compiled_add):
+    with pytest.raises(InputSpecError) as info:
+        compiled_add({"x": torch.randn(3, 3), "y": torch.randn(3, 3)})
+    message = str(info.value)
+    assert "'x'" in message
+    assert "[4, 3]" in message and "[3, 3]" in message
+    assert "drop_last" in message and "pad" in message
+
+
+def test_wrong_trailing_shape_raises(compiled_add):
+    with pytest.raises(InputSpecError, match=r"'y'.*\[4, 3\].*\[4, 5\]"):
+        compiled_add({"x": torch.randn(4, 3), "y": torch.randn(4, 5)})
+
+
+@pytest.mark.parametrize(
+    "keys", [["x"], ["x", "y", "z"], ["x", "z"]], ids=["missing", "extra", "renamed"]
+)
+def test_wrong_keys_raise(compiled_add, keys):
+    with pytest.raises(InputSpecError, match="keys must be those of the sample"):
+        compiled_add({k: torch.randn(4, 3) for k in keys})
+
+
+def test_wrong_dtype_raises(compiled_add):
+    with pytest.raises(InputSpecError, match=r"'x'.*float32.*float64"):
+        compiled_add({"x": torch.randn(4, 3, dtype=torch.float64), "y": torch.randn(4, 3)})
+
+
+def test_input_spec_error_is_a_value_error_and_an_mncore_error():
+    assert issubclass(InputSpecError, ValueError)
+    assert issubclass(InputSpecError, mncore_device.MNCoreError)
+
+
+# --- specs and the explicit-transfer API ---------------------------------------------------
+
+
+@pytest.fixture
+def linear(context):
+    model = nn.Linear(3, 2)
+    register(context, model)
+    return model
+
+
+def forward(model):
+    return lambda batch: {"y": model(batch["x"])}
+
+
+def test_input_and_output_specs(context, linear):
+    sample = {"x": torch.randn(5, 3), "i": torch.zeros(5, dtype=torch.int64)}
+    compiled = compile_o0(context, lambda b: {"y": linear(b["x"]), "n": b["i"] + 1}, sample)
+    assert compiled.input_specs == {
+        "x": TensorSpec((5, 3), torch.float32),
+        "i": TensorSpec((5,), torch.int64),
+    }
+    assert compiled.output_specs == {
+        "y": TensorSpec((5, 2), torch.float32),
+        "n": TensorSpec((5,), torch.int64),
+    }
+
+
+def test_input_proxies_give_the_same_result_as_tensors(context, linear):
+    x = torch.randn(4, 3)
+    compiled = compile_o0(context, forward(linear), {"x": x})
+    proxies = compiled.allocate_input_proxy()
+    assert set(proxies) == {"x"}
+    proxies["x"].load_from(x, clone=False)
+    expected = linear(x).detach()
+    from_proxy = compiled(proxies)["y"]
+    torch.testing.assert_close(from_proxy, expected)
+    torch.testing.assert_close(compiled({"x": x})["y"], from_proxy, rtol=0, atol=0)
+
+    fresh = compiled.allocate_input_proxy()
+    fresh["x"].load_from(2 * x)  # the default, clone=True, copies into the buffer
+    torch.testing.assert_close(compiled(fresh)["y"], linear(2 * x).detach())
+
+
+def test_input_proxy_reload_does_not_write_into_a_borrowed_tensor(context, linear):
+    x = torch.randn(4, 3)
+    original = x.clone()
+    compiled = compile_o0(context, forward(linear), {"x": x})
+    proxy = compiled.allocate_input_proxy()["x"]
+    proxy.load_from(x, clone=False)
+    proxy.load_from(torch.zeros(4, 3))
+    assert torch.equal(x, original), "loading the proxy overwrote the caller's host tensor"
+
+
+def test_input_proxy_checks_the_spec(context, linear):
+    compiled = compile_o0(context, forward(linear), {"x": torch.randn(4, 3)})
+    proxy = compiled.allocate_input_proxy()["x"]
+    with pytest.raises(InputSpecError, match="drop_last"):
+        proxy.load_from(torch.randn(2, 3), clone=False)
+
+
+def test_registered_value_proxy_load_from_changes_the_next_call(context, linear):
+    x = torch.randn(4, 3)
+    compiled = compile_o0(context, forward(linear), {"x": x})
+    new_weight = torch.arange(6.0).reshape(2, 3)
+    host_weight = linear.weight.detach().clone()
+
+    proxy = context.get_registered_value_proxy(linear.weight)
+    assert proxy.name == "model@weight"
+    assert tuple(proxy.shape) == (2, 3)
+    proxy.load_from(new_weight)
+
+    expected = x @ new_weight.T + linear.bias.detach()
+    torch.testing.assert_close(compiled({"x": x})["y"], expected)
+    torch.testing.assert_close(proxy.cpu(), new_weight, rtol=0, atol=0)
+    assert torch.equal(linear.weight, host_weight), "the host changes only at synchronize()"
+    context.synchronize()
+    assert torch.equal(linear.weight, new_weight)
+
+
+def test_registered_value_proxy_rejects_a_wrong_shape(context, linear):
+    with pytest.raises(ValueError, match=r"model@weight.*\[2, 3\].*\[3, 3\]"):
+        context.get_registered_value_proxy(linear.weight).load_from(torch.zeros(3, 3))
+
+
+def test_outputs_of_one_function_feed_another(context, linear):
+    x = torch.randn(4, 3)
+    first = compile_o0(context, forward(linear), {"x": x})
+    second = compile_o0(context, lambda b: {"z": b["y"].relu() * 2}, {"y": torch.randn(4, 2)})
+    z = second(first({"x": x}))["z"]
+    torch.testing.assert_close(z, linear(x).detach().relu() * 2)
+
+
+def test_non_contiguous_inputs_work_with_o0(compiled_add, xy):
+    x = xy["x"].t().contiguous().t()  # same values, other strides
+    assert not x.is_contiguous()
+    out = compiled_add({"x": x, "y": xy["y"]})["out"]
+    torch.testing.assert_close(out, xy["x"] + xy["y"], rtol=0, atol=0)

@@ -1,0 +1,240 @@
+"""Errors that name what the user must change: control flow, NaN, lazy state, devices."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from device_testing import (
+    classification_batches,
+    compile_o0,
+    cross_entropy,
+    device_train,
+    eager_train,
+    line_of,
+    make_sgd,
+    register,
+    training_step,
+    twin,
+)
+
+import mncore_device
+from mncore_device import (
+    MLSDKNotInstalledError,
+    MNDevice,
+    NonFiniteError,
+    StaticGraphError,
+    set_buffer_name_in_optimizer,
+)
+
+HERE = Path(__file__).name
+
+
+@pytest.fixture
+def trainable(context):
+    model = nn.Linear(4, 2)
+    optimizer = make_sgd(model.parameters(), 0.1, 0.9)
+    register(context, model, optimizer)
+    return model, optimizer, classification_batches(3, 8, 4, 2)
+
+
+# --- value-dependent control flow -----------------------------------------------------------
+
+
+def test_branch_on_loss_fails_at_compile_time_with_the_line(context, trainable):
+    model, optimizer, batches = trainable
+
+    def step(batch):
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(batch["x"]), batch["t"])
+        if loss > 1:
+            loss = loss * 0.5
+        loss.backward()
+        optimizer.step()
+        return {"loss": loss}
+
+    with pytest.raises(StaticGraphError) as info:
+        compile_o0(context, step, batches[0])
+    assert f"{HERE}:{line_of(step, 'if loss > 1')}" in str(info.value)
+    assert "torch.where" in str(info.value)
+
+
+def test_item_in_the_step_fails_at_compile_time_with_the_line(context, trainable):
+    model, optimizer, batches = trainable
+
+    def step(batch):
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(batch["x"]), batch["t"])
+        loss.backward()
+        optimizer.step()
+        return {"loss": torch.tensor(loss.item())}
+
+    with pytest.raises(StaticGraphError) as info:
+        compile_o0(context, step, batches[0])
+    assert f"{HERE}:{line_of(step, 'loss.item()')}" in str(info.value)
+
+
+def test_tensor_valued_where_compiles_and_matches_eager(context, trainable):
+    model, optimizer, batches = trainable
+    reference = twin(model)
+
+    def halve_large(model, batch):
+        loss = F.cross_entropy(model(batch["x"]), batch["t"])
+        return torch.where(loss > 0.5, loss * 0.5, loss)
+
+    compiled = compile_o0(context, training_step(model, optimizer, halve_large), batches[0])
+    losses = device_train(compiled, batches)
+    expected = eager_train(
+        reference, make_sgd(reference.parameters(), 0.1, 0.9), halve_large, batches
+    )
+    torch.testing.assert_close(losses, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_host_values_outside_the_graph_are_fine(context):
+    """Python numbers that are not tensors are simply baked in at trace time."""
+    scale = 3
+    compiled = compile_o0(
+        context, lambda b: {"y": b["x"] * scale if scale > 1 else b["x"]}, {"x": torch.ones(2)}
+    )
+    torch.testing.assert_close(compiled({"x": torch.ones(2)})["y"], torch.full((2,), 3.0))
+
+
+# --- the debug preset ---------------------------------------------------------------------
+
+
+class _LogHead(nn.Module):
+    """log(linear(x) - 1000): the log of a negative number, inside a module's forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return torch.log(self.linear(x) - 1e3)
+
+
+def test_debug_preset_names_the_op_and_line_that_made_nan(context):
+    model = _LogHead()
+    optimizer = make_sgd(model.parameters(), 0.1, 0.9)
+    register(context, model, optimizer)
+    batch = {"x": torch.randn(8, 4)}
+    step = training_step(model, optimizer, lambda m, b: m(b["x"]).mean())
+    compiled = context.compile(step, batch, options={"option_json": "debug"})
+    initial = model.linear.weight.detach().clone()
+
+    with pytest.raises(NonFiniteError) as info:
+        compiled(batch)
+    message = str(info.value)
+    assert "aten.log" in message and "NaN" in message
+    assert f"{HERE}:{line_of(_LogHead.forward, 'torch.log(')}" in message
+    assert isinstance(info.value, FloatingPointError)
+
+    context.synchronize()  # the failed call left the device state as it was
+    assert torch.equal(model.linear.weight, initial)
+
+
+def _log_step(model, optimizer):
+    def step(batch):
+        optimizer.zero_grad()
+        loss = torch.log(model(batch["x"]) - 1e3).mean()  # log of a negative number
+        loss.backward()
+        optimizer.step()
+        return {"loss": loss}
+
+    return step
+
+
+def test_debug_preset_names_the_line_of_nan_in_the_step_function(context, trainable):
+    model, optimizer, batches = trainable
+    step = _log_step(model, optimizer)
+    compiled = context.compile(step, batches[0], options={"option_json": "debug"})
+    with pytest.raises(NonFiniteError) as info:
+        compiled(batches[0])
+    assert "aten.log" in str(info.value)
+    assert f"{HERE}:{line_of(step, 'torch.log(')}" in str(info.value)
+
+
+def test_o0_does_not_check_for_nan(context, trainable):
+    model, optimizer, batches = trainable
+    compiled = compile_o0(context, _log_step(model, optimizer), batches[0])
+    assert torch.isnan(compiled(batches[0])["loss"])
+
+
+def test_debug_preset_on_a_finite_step_matches_o0(context, trainable):
+    model, optimizer, batches = trainable
+    reference = twin(model)
+    step = training_step(model, optimizer, cross_entropy)
+    compiled = context.compile(step, batches[0], options={"option_json": "debug"})
+    losses = device_train(compiled, batches)
+    expected = eager_train(
+        reference, make_sgd(reference.parameters(), 0.1, 0.9), cross_entropy, batches
+    )
+    torch.testing.assert_close(losses, expected, rtol=1e-6, atol=1e-6)
+
+
+# --- optimizers with lazily created state ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [
+        pytest.param(lambda params: torch.optim.Adam(params, lr=1e-3), id="Adam"),
+        pytest.param(lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9), id="SGD"),
+    ],
+)
+def test_lazy_optimizer_state_fails_at_compile_time(context, make_optimizer):
+    model = nn.Linear(4, 2)
+    optimizer = make_optimizer(model.parameters())
+    register(context, model)
+    set_buffer_name_in_optimizer(optimizer, "optimizer")
+    context.register_optimizer_buffers(optimizer)  # nothing to register yet
+    batch = classification_batches(1, 8, 4, 2)[0]
+    with pytest.raises(StaticGraphError, match="MNCoreAdam") as info:
+        compile_o0(context, training_step(model, optimizer, cross_entropy), batch)
+    assert type(optimizer).__name__ in str(info.value)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_failed_compile_leaves_no_optimizer_state(context):
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    register(context, model)
+    set_buffer_name_in_optimizer(optimizer, "optimizer")
+    context.register_optimizer_buffers(optimizer)
+    batch = classification_batches(1, 8, 4, 2)[0]
+    with pytest.raises(StaticGraphError):
+        compile_o0(context, training_step(model, optimizer, cross_entropy), batch)
+    assert len(optimizer.state) == 0, "tracing left momentum buffers in the optimizer"
+
+
+# --- device strings -----------------------------------------------------------------------
+
+
+@pytest.mark.skipif(mncore_device.mlsdk_available(), reason="MLSDK is installed here")
+@pytest.mark.parametrize("spec", ["mncore2:auto", "mncore2:0"])
+def test_real_device_without_mlsdk(spec):
+    with pytest.raises(MLSDKNotInstalledError) as info:
+        MNDevice(spec)
+    assert "MLSDK" in str(info.value) and "pfvm:cpu" in str(info.value)
+    assert isinstance(info.value, mncore_device.MNCoreError)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+def test_pfvm_cuda_without_cuda():
+    with pytest.raises(RuntimeError, match="CUDA is not available.*pfvm:cpu"):
+        MNDevice("pfvm:cuda")
+
+
+@pytest.mark.parametrize("spec", ["tpu:0", "pfvm:tpu", "mncore2:x"])
+def test_unknown_device_strings(spec):
+    with pytest.raises(ValueError, match=spec):
+        MNDevice(spec)
+
+
+def test_pfvm_cpu():
+    device = MNDevice("pfvm:cpu")
+    assert device.is_emulated and str(device) == "pfvm:cpu"
+    assert device.torch_device == torch.device("cpu")

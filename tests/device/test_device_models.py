@@ -1,0 +1,83 @@
+"""The grokking-pytorch MNIST CNN: convolutions, Dropout2d, dropout and the RNG on the device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from device_testing import (
+    GrokkingCNN,
+    compile_o0,
+    device_train,
+    eager_train,
+    make_sgd,
+    new_context,
+    nll,
+    register,
+    training_step,
+    twin,
+)
+
+
+@pytest.fixture
+def batch():
+    """16 noisy copies of 10 random 28x28 class templates: a small learnable batch."""
+    generator = torch.Generator().manual_seed(1)
+    templates = torch.randn(10, 1, 28, 28, generator=generator)
+    t = torch.arange(16) % 10
+    return {"x": templates[t] + 0.5 * torch.randn(16, 1, 28, 28, generator=generator), "t": t}
+
+
+def compiled_cnn_step(context, batch):
+    """A fresh CNN trained by SGD(0.1, momentum 0.5) in `context`."""
+    model = GrokkingCNN()
+    optimizer = make_sgd(model.parameters(), 0.1, 0.5)
+    register(context, model, optimizer)
+    return model, compile_o0(context, training_step(model, optimizer, nll), batch)
+
+
+def test_cnn_with_dropout_trains(context, batch):
+    _, compiled = compiled_cnn_step(context, batch)
+    losses = device_train(compiled, [batch] * 20)
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < first - 0.2, f"loss did not fall: {first:.3f} -> {last:.3f}"
+
+
+def test_dropout_draws_new_masks_each_call_and_eval_is_deterministic(context, batch):
+    model = GrokkingCNN()
+    register(context, model)
+    forward = compile_o0(context, lambda b: {"loss": nll(model, b)}, batch)
+    assert forward.updated_state_names == []
+    first, second = forward(batch)["loss"], forward(batch)["loss"]
+    assert not torch.equal(first, second), "the same dropout mask was used twice"
+
+    model.eval()
+    evaluate = compile_o0(context, lambda b: {"logp": model(b["x"])}, {"x": batch["x"]})
+    model.train()
+    first, second = evaluate({"x": batch["x"]})["logp"], evaluate({"x": batch["x"]})["logp"]
+    assert torch.equal(first, second)
+    torch.testing.assert_close(first, twin(model).eval()(batch["x"]).detach())
+
+
+def test_training_is_reproducible_under_manual_seed(batch):
+    def run():
+        torch.manual_seed(1234)
+        _, compiled = compiled_cnn_step(new_context(), batch)
+        return device_train(compiled, [batch] * 4)
+
+    first, second = run(), run()
+    assert first == second
+
+
+def test_o0_dropout_matches_eager_with_the_same_seed(context, batch):
+    """Tracing restores the RNG and O0 runs the same aten ops: the same masks as eager."""
+    model, compiled = compiled_cnn_step(context, batch)
+    reference = twin(model)
+    torch.manual_seed(77)
+    losses = device_train(compiled, [batch] * 5)
+    context.synchronize()
+
+    torch.manual_seed(77)
+    expected = eager_train(reference, make_sgd(reference.parameters(), 0.1, 0.5), nll, [batch] * 5)
+    torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)

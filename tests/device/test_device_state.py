@@ -1,0 +1,258 @@
+"""Device memory: registration, host/device transfers, captured tensors, tracing side effects."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from device_testing import (
+    HAS_MNCORE_SGD,
+    MNCoreSGD,
+    Wrapped,
+    assert_state_close,
+    classification_batches,
+    clone_state,
+    compile_o0,
+    cross_entropy,
+    device_train,
+    eager_train,
+    make_sgd,
+    register,
+    training_step,
+    twin,
+)
+
+from mncore_device import (
+    RegistrationError,
+    set_buffer_name_in_optimizer,
+    set_tensor_name,
+    set_tensor_name_in_module,
+)
+
+needs_mncore_sgd = pytest.mark.skipif(
+    not HAS_MNCORE_SGD, reason="mncore_lightning.optimizers.MNCoreSGD is not importable yet"
+)
+
+
+# --- host and device copies ---------------------------------------------------------------
+
+
+def _momentum_buffers(optimizer):
+    return [s["momentum_buffer"] for s in optimizer.state.values()]
+
+
+def test_host_change_reaches_the_device_only_through_load_from(context):
+    model = nn.Linear(3, 1)
+    register(context, model)
+    x = torch.randn(4, 3)
+    compiled = compile_o0(context, lambda b: {"y": model(b["x"])}, {"x": x})
+    before = compiled({"x": x})["y"]
+
+    with torch.no_grad():
+        model.weight.mul_(-2.0)  # in place on the host: the device copy is unaffected
+    torch.testing.assert_close(compiled({"x": x})["y"], before, rtol=0, atol=0)
+
+    context.get_registered_value_proxy(model.weight).load_from(model.weight)
+    torch.testing.assert_close(compiled({"x": x})["y"], model(x).detach())
+    assert not torch.allclose(model(x), before)
+
+
+def test_synchronize_writes_device_state_back(context):
+    model = nn.Linear(3, 2)
+    optimizer = make_sgd(model.parameters(), 0.1, 0.9)
+    register(context, model, optimizer)
+    initial = clone_state(model)
+    batches = classification_batches(3, 4, 3, 2)
+    compiled = compile_o0(context, training_step(model, optimizer, cross_entropy), batches[0])
+    device_train(compiled, batches)
+
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, initial[key]), f"{key} changed before synchronize()"
+    assert all(torch.equal(b, torch.zeros_like(b)) for b in _momentum_buffers(optimizer))
+
+    context.synchronize([model.weight])  # only the tensors asked for
+    assert not torch.equal(model.weight, initial["weight"])
+    assert torch.equal(model.bias, initial["bias"])
+
+    context.synchronize()
+    assert not torch.equal(model.bias, initial["bias"])
+    assert all(not torch.equal(b, torch.zeros_like(b)) for b in _momentum_buffers(optimizer))
+
+
+def test_load_from_host_pushes_a_loaded_checkpoint(context):
+    model = nn.Linear(3, 2)
+    register(context, model)
+    x = torch.randn(4, 3)
+    compiled = compile_o0(context, lambda b: {"y": model(b["x"])}, {"x": x})
+    checkpoint = nn.Linear(3, 2).state_dict()
+    model.load_state_dict(checkpoint)  # copies in place into the registered tensors
+    context.load_from_host()
+    torch.testing.assert_close(compiled({"x": x})["y"], model(x).detach())
+
+
+def test_registering_an_unnamed_tensor_fails(context):
+    with pytest.raises(RegistrationError, match="no name"):
+        context.register_param(nn.Parameter(torch.zeros(3)))
+
+
+def test_registering_two_tensors_under_one_name_fails(context):
+    a, b = torch.zeros(2), torch.zeros(2)
+    set_tensor_name(a, "same")
+    set_tensor_name(b, "same")
+    context.register_buffer(a)
+    context.register_buffer(a)  # the same tensor again is fine
+    with pytest.raises(RegistrationError, match="already registered"):
+        context.register_buffer(b)
+
+
+def test_proxy_of_an_unregistered_tensor_fails(context):
+    with pytest.raises(RegistrationError, match="not registered"):
+        context.get_registered_value_proxy(torch.zeros(2))
+
+
+# --- unregistered state ------------------------------------------------------------------
+
+
+def test_unregistered_parameter_warns_trains_on_device_and_is_never_synced(context):
+    """Register everything except the bias: it trains on the device, but never reaches the host."""
+    model = Wrapped(4, 2)
+    reference = twin(model)
+    optimizer = make_sgd(model.parameters(), 0.1, 0.9)
+    set_tensor_name_in_module(model, "model")
+    context.register_param(model.linear.weight)  # not the bias
+    set_buffer_name_in_optimizer(optimizer, "optimizer")
+    context.register_optimizer_buffers(optimizer)
+    batches = classification_batches(4, 8, 4, 2)
+
+    with pytest.warns(UserWarning, match=r"model@linear/bias.*never registered"):
+        compiled = compile_o0(context, training_step(model, optimizer, cross_entropy), batches[0])
+    assert "model@linear/bias" not in context.registered_names
+
+    losses = device_train(compiled, batches)
+    expected = eager_train(
+        reference, make_sgd(reference.parameters(), 0.1, 0.9), cross_entropy, batches
+    )
+    torch.testing.assert_close(losses, expected, rtol=1e-6, atol=1e-6)  # the bias did train
+
+    bias = model.linear.bias.detach().clone()
+    context.synchronize()
+    assert torch.equal(model.linear.bias, bias), "an unregistered tensor was written back"
+    torch.testing.assert_close(model.linear.weight, reference.linear.weight, rtol=0, atol=1e-6)
+    assert not torch.equal(reference.linear.bias, bias)
+
+
+# --- captured read-only tensors -----------------------------------------------------------
+
+
+def test_in_place_change_of_a_captured_tensor_reaches_the_step(context):
+    """A closed-over host tensor is a device constant, re-uploaded when changed in place."""
+    scale = torch.tensor(2.0)
+    x = torch.randn(3)
+    compiled = compile_o0(context, lambda b: {"y": b["x"] * scale}, {"x": x})
+    torch.testing.assert_close(compiled({"x": x})["y"], 2 * x)
+    scale.fill_(-3.0)
+    torch.testing.assert_close(compiled({"x": x})["y"], -3 * x)
+
+
+@needs_mncore_sgd
+def test_host_lr_change_reaches_the_compiled_step(context):
+    model = nn.Linear(4, 2)
+    optimizer = MNCoreSGD(model.parameters(), 0.1, 0.9, 0.0)
+    register(context, model, optimizer)
+    batch = classification_batches(1, 8, 4, 2)[0]
+    compiled = compile_o0(context, training_step(model, optimizer, cross_entropy), batch)
+    weight = context.get_registered_value_proxy(model.weight)
+
+    compiled(batch)
+    trained = weight.cpu().clone()
+    assert not torch.equal(trained, model.weight.detach())
+
+    optimizer.param_groups[0]["lr"] = 0.0  # no recompile
+    compiled(batch)
+    compiled(batch)
+    assert torch.equal(weight.cpu(), trained), "lr=0 set on the host did not reach the device"
+
+
+@needs_mncore_sgd
+def test_step_lr_scheduler_reaches_the_compiled_step(context):
+    model = nn.Linear(4, 2)
+    reference = twin(model)
+    optimizer = MNCoreSGD(model.parameters(), 0.1, 0.9, 0.0)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.1)
+    register(context, model, optimizer)
+    batches = classification_batches(6, 8, 4, 2)
+    compiled = compile_o0(context, training_step(model, optimizer, cross_entropy), batches[0])
+    for batch in batches:
+        compiled(batch)
+        scheduler.step()
+    context.synchronize()
+
+    ref_optimizer = torch.optim.SGD(reference.parameters(), 0.1, 0.9, 0.0)
+    ref_scheduler = torch.optim.lr_scheduler.StepLR(ref_optimizer, step_size=2, gamma=0.1)
+    step = training_step(reference, ref_optimizer, cross_entropy)
+    for batch in batches:
+        step(batch)
+        ref_scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-4)
+    assert_state_close(model, reference, atol=1e-6)
+
+
+# --- tracing leaves no trace ----------------------------------------------------------------
+
+
+class _Noisy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Dropout(0.5))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.net(x))
+
+
+def test_compile_leaves_host_state_and_rng_untouched(context):
+    model = _Noisy()
+    optimizer = make_sgd(model.parameters(), 0.1, 0.9)
+    register(context, model, optimizer)
+    calls = torch.zeros(())  # unregistered host tensor that the step updates in place
+
+    def step(batch):
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(batch["x"]), batch["t"])
+        loss.backward()
+        optimizer.step()
+        calls.add_(1)
+        return {"loss": loss}
+
+    batch = classification_batches(1, 8, 6, 3)[0]
+    state = clone_state(model)
+    momentum = [b.clone() for b in _momentum_buffers(optimizer)]
+    rng = torch.get_rng_state()
+
+    with pytest.warns(UserWarning, match="never registered"):
+        compile_o0(context, step, batch)
+
+    assert torch.equal(torch.get_rng_state(), rng)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, state[key]), key
+    for before, after in zip(momentum, _momentum_buffers(optimizer)):
+        assert torch.equal(before, after)
+    assert all(p.grad is None for p in model.parameters())
+    assert calls.item() == 0
+
+
+def test_value_proxy_cpu_is_a_snapshot(context):
+    bn = nn.BatchNorm1d(3)
+    register(context, bn)
+    compiled = compile_o0(context, lambda b: {"y": bn(b["x"])}, {"x": torch.randn(4, 3)})
+    snapshot = context.get_registered_value_proxy(bn.running_mean).cpu()
+    compiled({"x": torch.randn(4, 3) + 5})
+    assert torch.equal(snapshot, torch.zeros(3)), "an earlier .cpu() copy changed"
+
+
+def test_synchronize_of_an_unregistered_tensor_names_it(context):
+    stray = torch.zeros(2)
+    set_tensor_name(stray, "stray")
+    with pytest.raises(RegistrationError, match="stray"):
+        context.synchronize([stray])
