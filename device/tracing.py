@@ -359,9 +359,27 @@ def _functionalize(gm: fx.GraphModule, args: list[torch.Tensor], n_state: int):
     output = next(n for n in graph.nodes if n.op == "output")
     outputs = list(output.args[0])
     output.args = (tuple(outputs + [updates[i] for i in mutated]),)
+    _views_instead_of_copies(graph)
     graph.eliminate_dead_code()
     functional.recompile()
     return functional, mutated
+
+
+def _views_instead_of_copies(graph: fx.Graph) -> None:
+    """Functionalization turns every view into a copy (t_copy, view_copy, detach_copy...).
+    The graph mutates nothing any more, so a view and a copy read the same values: use the
+    view and save the copy (a transposed weight matrix, every step)."""
+    for node in graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+            continue
+        name = target.overloadpacket.__name__
+        if not name.endswith("_copy"):
+            continue
+        packet = getattr(aten, name.removesuffix("_copy"), None)
+        view = getattr(packet, target._overloadname, None) if packet is not None else None
+        if view is not None and view._schema.returns and view._schema.returns[0].alias_info:
+            node.target = view
 
 
 def _prune_unused_state(traced: TracedStep) -> TracedStep:
