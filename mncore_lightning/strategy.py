@@ -95,17 +95,14 @@ class MNCoreStrategy(SingleDeviceStrategy):
     def precision_plugin(self, plugin: Precision | None) -> None:
         # Lightning's connector assigns its own choice here; a plain 32-bit Precision is what
         # MNCorePrecision already is, anything else would silently change the step.
-        if plugin is None or isinstance(plugin, MNCorePrecision):
-            self._precision_plugin = plugin or MNCorePrecision()
-        elif type(plugin) is Precision and getattr(self, "_precision_plugin", None) is not None:
-            return
-        elif type(plugin) is Precision:
-            self._precision_plugin = MNCorePrecision()
-        else:
+        if plugin is None or type(plugin) is Precision:
+            plugin = getattr(self, "_precision_plugin", None) or MNCorePrecision()
+        elif not isinstance(plugin, MNCorePrecision):
             raise MisconfigurationException(
                 f"MNCoreStrategy runs backward and the optimizer step inside its compiled graph "
                 f"and supports precision='32-true' only; got the {type(plugin).__name__} plugin."
             )
+        self._precision_plugin = plugin
 
     # --- setup -------------------------------------------------------------------------------
 
