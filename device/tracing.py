@@ -124,7 +124,7 @@ def trace_step(
         gm = _strip_profiler_ops(gm)
         constants = _lift_constants(gm, n_inputs_before=len(reg_tensors))
         state = [StateBinding(n, REGISTERED, t) for n, t in zip(reg_names, reg_tensors)]
-        state += [StateBinding(_describe(t), CONSTANT, t) for t in constants]
+        state += [StateBinding(_describe(t, i), CONSTANT, t) for i, t in enumerate(constants)]
         functional, mutated = _functionalize(gm, [s.tensor for s in state] + inputs, len(state))
     for index in mutated:
         state[index].mutated = True
@@ -133,7 +133,7 @@ def trace_step(
         if binding.kind == CONSTANT and binding.mutated:
             binding.kind = PRIVATE
             notes.append(
-                f"tensor {binding.name} is updated by the compiled step but was never registered: "
+                f"tensor {binding.name!r} is updated by the compiled step but was never registered: "
                 "it trains on the device, but synchronize() will not write it back to the host. "
                 "Register it with context.register_param / register_buffer / "
                 "register_optimizer_buffers."
@@ -290,10 +290,11 @@ def _check_outputs(result) -> Mapping[str, torch.Tensor]:
     return result
 
 
-def _describe(tensor: torch.Tensor) -> str:
-    name = get_tensor_name(tensor)
+def _describe(tensor: torch.Tensor, index: int) -> str:
+    """A captured tensor's state name: its tensor name, else a unique description."""
     shape = "x".join(map(str, tensor.shape)) or "scalar"
-    return repr(name) if name else f"<unnamed {shape} {str(tensor.dtype).removeprefix('torch.')}>"
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    return get_tensor_name(tensor) or f"<captured {index}: unnamed {shape} {dtype}>"
 
 
 # --- graph passes -----------------------------------------------------------------------

@@ -329,3 +329,31 @@ def test_cache_hit_is_false_for_a_different_shape(context, tmp_path):
         add, {"x": torch.ones(3)}, options={"option_json": "O0"}, cache_options=options
     )
     assert (first.cache_hit, same.cache_hit, other.cache_hit) == (False, True, False)
+
+
+def test_captured_hyperparameters_keep_their_values_through_a_codegen_dir(tmp_path):
+    """MNCoreSGD's lr, momentum and dampening are three unnamed captured scalars: each must
+    come back with its own value (they once shared one name in captured.pt)."""
+    model = nn.Linear(4, 2)
+    reference = twin(model)
+    optimizer = make_sgd(model.parameters(), 0.05, 0.9, 0.25, kind="mncore")
+    context = new_context()
+    register(context, model, optimizer)
+    batches = classification_batches(4, 6, 4, 2)
+    compile_o0(
+        context,
+        training_step(model, optimizer, cross_entropy),
+        batches[0],
+        codegen_dir=tmp_path / "codegen",
+    )
+
+    loaded_model = twin(reference)
+    loaded_optimizer = make_sgd(loaded_model.parameters(), 0.05, 0.9, 0.25, kind="mncore")
+    second = new_context()
+    register(second, loaded_model, loaded_optimizer)
+    losses = device_train(second.load_codegen_dir(tmp_path / "codegen"), batches)
+
+    expected = eager_train(
+        reference, torch.optim.SGD(reference.parameters(), 0.05, 0.9, 0.25), cross_entropy, batches
+    )
+    torch.testing.assert_close(losses, expected, rtol=1e-6, atol=1e-6)
