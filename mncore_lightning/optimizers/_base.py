@@ -162,6 +162,14 @@ class MNCoreOptimizer(Optimizer):
             if param.requires_grad:  # frozen params never step: no state until they get grads
                 self._init_state(param, group)
 
+    @staticmethod
+    def _evaluate_closure(closure: Callable[[], float] | None) -> float | None:
+        """torch.optim's contract: re-evaluate the loss (with grad enabled) when given one."""
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
     def _params_with_grad(self, group: Mapping[str, Any]) -> list[Tensor]:
         """The params the step updates: those with a gradient (a trace-time decision)."""
         params = [p for p in group["params"] if p.grad is not None]

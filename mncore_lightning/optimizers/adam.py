@@ -97,10 +97,7 @@ class MNCoreAdam(MNCoreOptimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Perform one optimization step (traceable: see `_functional`)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._evaluate_closure(closure)
         for group in self.param_groups:
             params = self._params_with_grad(group)
             states = [self.state[p] for p in params]
