@@ -81,7 +81,7 @@ class MNCoreStrategy(SingleDeviceStrategy):
         self.cache_options = CacheOptions(cache_dir) if cache_dir is not None else None
         self.context: Context | None = None
         self._train_hook: CompiledHook | None = None
-        self._eval_hooks: dict[str, list[CompiledHook]] = {}
+        self._eval_hooks: dict[str, list[CompiledHook]] = {}  # by stage
         self._device_is_newer = False
         self.compiled_calls = 0
 
@@ -203,9 +203,11 @@ class MNCoreStrategy(SingleDeviceStrategy):
         return self._eval_step("predict_step", args)
 
     def _eval_step(self, hook_name: str, args: tuple) -> Any:
+        """Each stage (sanity check, validate, test, predict) has its own compiled functions:
+        one per batch shape, so a ragged last batch costs one more compile."""
         batch, rest = args[0], args[1:]
         layout, inputs = BatchLayout.of(batch)
-        hooks = self._eval_hooks.setdefault(hook_name, [])
+        hooks = self._eval_hooks.setdefault(self._stage(), [])
         for hook in hooks:
             if hook.layout == layout and _matches(hook, inputs):
                 break
@@ -218,8 +220,9 @@ class MNCoreStrategy(SingleDeviceStrategy):
     def _compile(self, hook_name: str, batch: Any, rest: tuple, **kwargs: Any):
         codegen_dir = None
         if self.codegen_dir is not None:
-            count = len(self._eval_hooks.get(hook_name, []))
-            codegen_dir = self.codegen_dir / f"{hook_name}_{count}"
+            stage = self._stage()
+            count = len(self._eval_hooks.get(stage, []))
+            codegen_dir = self.codegen_dir / f"{stage}_{count}"
         return compile_hook(
             self.context,
             self.lightning_module,
@@ -232,6 +235,10 @@ class MNCoreStrategy(SingleDeviceStrategy):
             to_host=self._to_host,
             **kwargs,
         )
+
+    def _stage(self) -> str:
+        stage = self.lightning_module.trainer.state.stage
+        return stage.value if stage is not None else "unknown"
 
     def _to_host(self, outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The one place where device outputs (logged values, returns) become host tensors."""

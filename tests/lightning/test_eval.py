@@ -40,7 +40,7 @@ class BatchWatcher(Callback):
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
         hooks = getattr(trainer.strategy, "_eval_hooks", None)
         if hooks is not None:
-            self.eval_graphs.append(len(hooks.get("validation_step", [])))
+            self.eval_graphs.append(len(hooks.get(trainer.state.stage.value, [])))
 
 
 def _val_loader(n: int = 70, batch_size: int = 32) -> DataLoader:
@@ -129,3 +129,22 @@ def test_test_and_predict_ragged():
     assert results["test_loss"] == pytest.approx(F.cross_entropy(logits, y).item(), abs=1e-5)
     assert [p.shape[0] for p in predictions] == [32, 32, 6]
     torch.testing.assert_close(torch.cat(predictions), logits, atol=1e-5, rtol=0)
+
+
+def test_each_stage_has_its_own_compiled_function():
+    """The sanity check, validation during fit, and test each compile their own graphs."""
+    model = _TrainsWithIndex()
+    stages = {}
+
+    class Record(Callback):
+        def on_validation_epoch_end(self, trainer, pl_module):
+            stages.update({k: len(v) for k, v in trainer.strategy._eval_hooks.items()})
+
+        on_test_epoch_end = on_validation_epoch_end
+
+    trainer = make_trainer("mncore", max_epochs=1, callbacks=[Record()], num_sanity_val_steps=1)
+    trainer.fit(model, _train_loader(), _val_loader(n=64))
+    assert stages == {"sanity_check": 1, "validate": 1}
+    stages.clear()
+    trainer.test(model, loader(n=64), verbose=False)
+    assert stages == {"test": 1}
