@@ -154,13 +154,12 @@ class Context:
         return RegisteredValueProxy(self._slot_of(tensor))
 
     def _slot_of(self, tensor: torch.Tensor) -> DeviceSlot:
-        slot = self._by_id.get(id(tensor))
-        if slot is None or slot.host is not tensor:
+        if not self.is_registered(tensor):
             name = get_tensor_name(tensor)
             raise RegistrationError(
                 f"tensor {name or list(tensor.shape)} is not registered in this Context"
             )
-        return slot
+        return self._by_id[id(tensor)]
 
     def _slots_of(self, tensors: Iterable[torch.Tensor] | None) -> Iterable[DeviceSlot]:
         return self._slots.values() if tensors is None else [self._slot_of(t) for t in tensors]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -77,7 +77,6 @@ class TracedStep:
     state: list[StateBinding]
     input_specs: dict[str, TensorSpec]
     output_specs: dict[str, TensorSpec]
-    warnings: list[str] = field(default_factory=list)
 
     @property
     def input_keys(self) -> list[str]:
@@ -128,20 +127,18 @@ def trace_step(
         functional, mutated = _functionalize(gm, [s.tensor for s in state] + inputs, len(state))
     for index in mutated:
         state[index].mutated = True
-    notes = []
     for binding in state:
         if binding.kind == CONSTANT and binding.mutated:
             binding.kind = PRIVATE
-            notes.append(
+            warnings.warn(
                 f"tensor {binding.name!r} is updated by the compiled step but was never registered: "
                 "it trains on the device, but synchronize() will not write it back to the host. "
                 "Register it with context.register_param / register_buffer / "
-                "register_optimizer_buffers."
+                "register_optimizer_buffers.",
+                stacklevel=3,
             )
-    for note in notes:
-        warnings.warn(note, stacklevel=3)
     input_specs = {k: TensorSpec.of(sample[k]) for k in input_keys}
-    traced = TracedStep(functional, state, input_specs, output_specs, notes)
+    traced = TracedStep(functional, state, input_specs, output_specs)
     return _prune_unused_state(traced)
 
 

@@ -275,8 +275,8 @@ class MNCoreStrategy(SingleDeviceStrategy):
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         super().load_model_state_dict(checkpoint, strict=strict)
         if self.context is not None:
-            self.context.load_from_host(list(self.lightning_module.parameters()))
-            self.context.load_from_host(list(self.lightning_module.buffers()))
+            module = self.lightning_module
+            self.context.load_from_host([*module.parameters(), *module.buffers()])
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         super().load_optimizer_state_dict(checkpoint)
