@@ -157,7 +157,7 @@ def _profile_mncore_step(trainer, model, loader) -> dict:
     from mncore_lightning.compiled_hooks import BatchLayout
 
     strategy = trainer.strategy
-    batches = [b for _, b in zip(range(50), loader)]
+    batches = [b for _, b in zip(range(50), loader, strict=True)]
     n = len(batches)
 
     def per_step(fn) -> float:
@@ -192,7 +192,7 @@ def _profile_mncore_step(trainer, model, loader) -> dict:
 
 def _loader_us(loader, n: int) -> float:
     start = time.perf_counter()
-    for _, _b in zip(range(n), loader):
+    for _, _b in zip(range(n), loader, strict=True):
         pass
     return (time.perf_counter() - start) / n * 1e6
 

@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         embeddings = model.encoder(sample.flatten(1))
         reference = model(sample)
     print("embeddings of the first test images (label: 3-d code):", flush=True)
-    for label, code in zip(sample_labels.tolist()[:4], embeddings[:4].tolist()):
+    for label, code in zip(sample_labels.tolist()[:4], embeddings[:4].tolist(), strict=True):
         print(f"  {label}: [{', '.join(f'{v:+.3f}' for v in code)}]", flush=True)
 
     onnx_out = export_onnx(model, outdir / "autoencoder.onnx", sample)

@@ -69,12 +69,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from mncore_device import (
         Context,
         MNDevice,
-        device_optimizer,
         set_buffer_name_in_optimizer,
         set_tensor_name_in_module,
         storage,
     )
-    from mncore_lightning.optimizers import MNCoreSGD
+    from mncore_lightning.optimizers import MNCoreSGD, device_optimizer
 
     torch.manual_seed(args.seed)
     outdir: Path = args.outdir

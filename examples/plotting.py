@@ -53,7 +53,7 @@ def plot_loss_curve(
     for name, points in series.items():
         if not points:
             continue
-        steps, values = zip(*points)
+        steps, values = zip(*points, strict=True)
         ax.plot(steps, values, label=name, marker="o" if len(points) <= 20 else None)
     ax.set_title(title)
     ax.set_xlabel(xlabel)

@@ -5,13 +5,19 @@
 on MN-Core (real hardware with MLSDK, or the emulator on CPU/CUDA).
 """
 
-from . import selection
+from mncore_device import add_library_dirs
+
+from . import lightning_patch
 from .accelerator import MNCoreAccelerator
 from .optimizers import MNCoreAdam, MNCoreAdamW, MNCoreSGD
 from .precision import MNCorePrecision
 from .strategy import MNCoreStrategy
 
-selection.install()
+# Errors raised while a step is traced name the user's line, not this package's or Lightning's.
+add_library_dirs(
+    "mncore_lightning", "lightning", "pytorch_lightning", "lightning_fabric", "torchmetrics"
+)
+lightning_patch.install()
 
 __all__ = [
     "MNCoreAccelerator",

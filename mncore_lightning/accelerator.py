@@ -2,7 +2,7 @@
 
 The LightningModule stays in host memory; device memory is managed by `MNCoreStrategy`
 through a device-layer Context. So the accelerator's own work is small: it describes the
-(single) MN-Core device and reports its statistics.
+(single) MN-Core device and reports its statistics, read from the trainer's strategy.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.accelerators.cpu import get_cpu_stats
+from typing_extensions import override
 
 
 class MNCoreAccelerator(Accelerator):
@@ -19,14 +20,34 @@ class MNCoreAccelerator(Accelerator):
 
     def __init__(self) -> None:
         super().__init__()
-        self.stats_source: Any = None  # the strategy in use sets itself here
+        self._trainer: Any = None  # set by setup(trainer), cleared at teardown
 
+    @override
+    def setup(self, trainer: Any) -> None:
+        """Called from the strategy's setup: MN-Core steps are built by MNCoreStrategy only."""
+        strategy = trainer.strategy
+        if not hasattr(strategy, "device_stats"):  # the MN-Core strategies' interface
+            raise ValueError(
+                f"accelerator='mncore' needs strategy='mncore' (or MNCoreStrategy(...)), got "
+                f"{type(strategy).__name__}: MN-Core runs each training step as one compiled "
+                "graph, which only MNCoreStrategy builds."
+            )
+        self._trainer = trainer
+
+    @override
     def setup_device(self, device: torch.device) -> None:
         """Device memory is set up by the strategy's Context; nothing to do on the host."""
 
+    @override
     def teardown(self) -> None:
-        self.stats_source = None
+        self._trainer = None
 
+    @property
+    def stats_source(self) -> Any:
+        """The strategy whose device counters `get_device_stats` reports (None outside fit)."""
+        return self._trainer.strategy if self._trainer is not None else None
+
+    @override
     @staticmethod
     def parse_devices(devices: Any) -> int:
         if devices in ("auto", None, 1, "1", [0], (0,)):
@@ -36,36 +57,38 @@ class MNCoreAccelerator(Accelerator):
             "Use devices=1 (or leave it as 'auto')."
         )
 
+    @override
     @staticmethod
     def get_parallel_devices(devices: Any) -> list[torch.device]:
         # The Trainer's root device is the host: the model and batches live there, and the
         # strategy moves them into MN-Core memory.
         return [torch.device("cpu")]
 
+    @override
     @staticmethod
     def auto_device_count() -> int:
         return 1
 
+    @override
     @staticmethod
     def is_available() -> bool:
         # The emulated device is always available; real hardware is chosen by the device string.
         return True
 
+    @override
     @staticmethod
     def name() -> str:
         return "mncore"
 
+    @override
     def get_device_stats(self, device: Any) -> dict[str, Any]:
         """Host CPU stats plus the MN-Core device's memory and call counters."""
-        stats: dict[str, Any] = {}
-        try:
-            stats.update(get_cpu_stats())
-        except ModuleNotFoundError:  # psutil is optional
-            pass
+        stats: dict[str, Any] = dict(get_cpu_stats())
         if self.stats_source is not None:
             stats.update(self.stats_source.device_stats())
         return stats
 
+    @override
     @classmethod
     def register_accelerators(cls, accelerator_registry: Any) -> None:
         if "mncore" not in accelerator_registry:

@@ -6,11 +6,10 @@ import os
 
 import torch
 
-from mncore_device import mlsdk_available
+from mncore_device import DEFAULT_PRESET, mlsdk_available
 
 DEVICE_ENV = "MNCORE_DEVICE"
 PRESET_ENV = "MNCORE_PRESET"
-DEFAULT_PRESET = "O1"
 
 
 def default_device() -> str:
@@ -33,5 +32,5 @@ def resolve_device(device: str | None) -> str:
 
 
 def resolve_preset(preset: str | None) -> str:
-    """The compile preset: explicit argument > $MNCORE_PRESET > O1."""
+    """The compile preset: explicit argument > $MNCORE_PRESET > mncore_device.DEFAULT_PRESET."""
     return preset or os.environ.get(PRESET_ENV) or DEFAULT_PRESET

@@ -16,7 +16,7 @@ from mncore_device import (
     storage,
 )
 
-from .optimizers import MNCoreAdam, MNCoreAdamW, MNCoreSGD
+from .optimizers import MNCoreAdam, MNCoreAdamW, MNCoreSGD, device_optimizer
 
 __all__ = [
     "CacheOptions",
@@ -26,6 +26,7 @@ __all__ = [
     "MNCoreAdamW",
     "MNCoreSGD",
     "MNDevice",
+    "device_optimizer",
     "get_tensor_name",
     "set_buffer_name_in_optimizer",
     "set_tensor_name",

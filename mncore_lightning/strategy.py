@@ -19,22 +19,25 @@ import torch
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import DataLoader
+from typing_extensions import override
 
 from mncore_device import (
+    Backend,
     CacheOptions,
     Context,
     MNDevice,
     resolve_backend,
     set_buffer_name_in_optimizer,
     set_tensor_name_in_module,
-    to_mlsdk_optimizer,
 )
 
+from .accelerator import MNCoreAccelerator
 from .compiled_hooks import BatchLayout, CompiledHook, compile_hook
 from .data import with_drop_last
 from .device_selection import resolve_device, resolve_preset
-from .optimizers import from_torch
+from .optimizers import device_optimizer
 from .precision import MNCorePrecision
 
 _EVAL_HOOKS = ("validation_step", "test_step", "predict_step")
@@ -85,7 +88,21 @@ class MNCoreStrategy(SingleDeviceStrategy):
         self._device_is_newer = False
         self.compiled_calls = 0
 
-    # --- the precision plugin is ours -------------------------------------------------------
+    # --- the accelerator and the precision plugin are ours -----------------------------------
+
+    @property
+    def accelerator(self) -> Any:
+        return self._accelerator
+
+    @accelerator.setter
+    def accelerator(self, accelerator: Any) -> None:
+        # Lightning's connector assigns the Trainer's accelerator here.
+        if accelerator is not None and not isinstance(accelerator, MNCoreAccelerator):
+            raise ValueError(
+                f"MNCoreStrategy needs accelerator='mncore', got {type(accelerator).__name__}: pass "
+                "Trainer(accelerator='mncore', strategy=MNCoreStrategy(...))."
+            )
+        self._accelerator = accelerator
 
     @property
     def precision_plugin(self) -> Precision:
@@ -106,6 +123,7 @@ class MNCoreStrategy(SingleDeviceStrategy):
 
     # --- setup -------------------------------------------------------------------------------
 
+    @override
     def setup(self, trainer: Any) -> None:
         module = trainer.lightning_module
         if not module.automatic_optimization:
@@ -122,12 +140,16 @@ class MNCoreStrategy(SingleDeviceStrategy):
                 f"{trainer.accumulate_grad_batches}: every compiled step applies one optimizer "
                 "update. Use a larger batch size instead."
             )
-        self.accelerator.stats_source = self
+        backend = "MLSDK" if self.backend is Backend.MLSDK else "emulated"
+        rank_zero_info(f"MN-Core available: True ({self.mncore_device}, {backend}), used: True")
+        self.context = Context(self.mncore_device, self.backend)
+        Context.switch_context(self.context)
         super().setup(trainer)
-        self._setup_context()
+        self._register_state()
 
+    @override
     def setup_optimizers(self, trainer: Any) -> None:
-        """Replace torch.optim SGD/Adam/AdamW by their MN-Core equivalents, schedulers too."""
+        """Replace optimizers by those the device runs (MN-Core's or MLSDK's), schedulers too."""
         super().setup_optimizers(trainer)
         if len(self.optimizers) > 1:
             raise MisconfigurationException(
@@ -135,19 +157,15 @@ class MNCoreStrategy(SingleDeviceStrategy):
                 f"returned {len(self.optimizers)} optimizers. Return one optimizer (with several "
                 "param groups if needed)."
             )
-        if self.backend == "mlsdk":  # MLSDK's own optimizers, same hyperparameters
-            converted = [to_mlsdk_optimizer(opt) for opt in self.optimizers]
-        else:
-            converted = [from_torch(opt) for opt in self.optimizers]
-        for old, new in zip(self.optimizers, converted):
+        converted = [device_optimizer(self.context, opt) for opt in self.optimizers]
+        for old, new in zip(self.optimizers, converted, strict=True):
             if new is not old:
                 for config in self.lr_scheduler_configs:
                     _repoint_scheduler(config.scheduler, old, new)
         self.optimizers = converted
 
-    def _setup_context(self) -> None:
-        self.context = Context(self.mncore_device, self.backend)
-        Context.switch_context(self.context)
+    def _register_state(self) -> None:
+        """Name and register the module's parameters and buffers and the optimizers' state."""
         module = self.lightning_module
         set_tensor_name_in_module(module, "model")
         for param in module.parameters():
@@ -242,11 +260,7 @@ class MNCoreStrategy(SingleDeviceStrategy):
 
     def _to_host(self, outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The one place where device outputs (logged values, returns) become host tensors."""
-        if self.backend == "mlsdk":  # MLSDK tensor proxies, all of one call's at once
-            return self.context.to_host(outputs)
-        if self.mncore_device.torch_device.type == "cpu":
-            return outputs
-        return {k: v.to("cpu") for k, v in outputs.items()}
+        return self.context.to_host(outputs)
 
     # --- data ------------------------------------------------------------------------------------
 
@@ -291,8 +305,6 @@ class MNCoreStrategy(SingleDeviceStrategy):
 
     def teardown(self) -> None:
         self.synchronize()
-        if self.accelerator is not None:
-            self.accelerator.stats_source = None
         self.context = None
         self._train_hook = None
         self._eval_hooks = {}

@@ -7,12 +7,14 @@ to the host, and keep torch.optim's state_dict layout.
 """
 
 from ._base import MNCoreOptimizer, ParamGroup
-from ._convert import TORCH_EQUIVALENTS, from_torch
+from ._convert import TORCH_EQUIVALENTS, device_optimizer, from_torch, to_mlsdk_optimizer
 from .adam import MNCoreAdam, MNCoreAdamW
 from .sgd import MNCoreSGD
 
 __all__ = [
     "TORCH_EQUIVALENTS",
+    "device_optimizer",
+    "to_mlsdk_optimizer",
     "MNCoreAdam",
     "MNCoreAdamW",
     "MNCoreOptimizer",

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from device_testing import new_context
 
 from mncore_device import Context
+from tests.device.device_testing import new_context
 
 
 @pytest.fixture(autouse=True)

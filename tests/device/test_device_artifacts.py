@@ -14,7 +14,9 @@ import textwrap
 import pytest
 import torch
 import torch.nn as nn
-from device_testing import (
+
+from mncore_device import CacheOptions, InputSpecError, RegistrationError, storage
+from tests.device.device_testing import (
     classification_batches,
     compile_o0,
     cross_entropy,
@@ -26,8 +28,6 @@ from device_testing import (
     training_step,
     twin,
 )
-
-from mncore_device import CacheOptions, InputSpecError, RegistrationError, storage
 
 
 def run_python(script: str, *args: object, env: dict[str, str] | None = None) -> str:
@@ -106,7 +106,7 @@ def test_training_step_round_trip_through_a_codegen_dir(context, tmp_path):
     assert out["losses"] == losses
     for key, value in model.state_dict().items():
         assert torch.equal(out["model"][key], value), key
-    for theirs, p in zip(out["momentum"], model.parameters()):
+    for theirs, p in zip(out["momentum"], model.parameters(), strict=True):
         assert torch.equal(theirs, optimizer.state[p]["momentum_buffer"])
     assert out["model"]["3.bias"].ne(bn_model().state_dict()["3.bias"]).any()
 

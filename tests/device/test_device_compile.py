@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from device_testing import compile_o0, register
 
 import mncore_device
 from mncore_device import InputSpecError, TensorSpec, preset_path
+from tests.device.device_testing import compile_o0, register
 
 
 def add(batch):

@@ -8,7 +8,16 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from device_testing import (
+
+import mncore_device
+from mncore_device import (
+    MLSDKNotInstalledError,
+    MNDevice,
+    NonFiniteError,
+    StaticGraphError,
+    set_buffer_name_in_optimizer,
+)
+from tests.device.device_testing import (
     classification_batches,
     compile_o0,
     cross_entropy,
@@ -19,15 +28,6 @@ from device_testing import (
     register,
     training_step,
     twin,
-)
-
-import mncore_device
-from mncore_device import (
-    MLSDKNotInstalledError,
-    MNDevice,
-    NonFiniteError,
-    StaticGraphError,
-    set_buffer_name_in_optimizer,
 )
 
 HERE = Path(__file__).name

@@ -8,7 +8,6 @@ MLSDK, and in which order.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -20,12 +19,12 @@ import mncore_device
 from mncore_device import (
     CacheOptions,
     Context,
+    EmulatorContext,
     InputSpecError,
     MLSDKContext,
     MLSDKNotInstalledError,
     MNDevice,
     RegistrationError,
-    device_optimizer,
     get_tensor_name,
     preset_path,
     resolve_backend,
@@ -33,24 +32,11 @@ from mncore_device import (
     set_tensor_name,
     set_tensor_name_in_module,
     storage,
-    to_mlsdk_optimizer,
 )
 from mncore_device.mlsdk_backend import compile_keyword, mlsdk_preset_path
-from mncore_lightning.optimizers import MNCoreAdam, MNCoreSGD
+from mncore_lightning.optimizers import MNCoreAdam, MNCoreSGD, device_optimizer, to_mlsdk_optimizer
+from tests.fake_mlsdk import install as fake
 
-_INSTALL = Path(__file__).resolve().parents[1] / "fake_mlsdk" / "install.py"
-
-
-def _fake_installer():
-    if "fake_mlsdk_install" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("fake_mlsdk_install", _INSTALL)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    return sys.modules["fake_mlsdk_install"]
-
-
-fake = _fake_installer()
 REAL_MLSDK = mncore_device.mlsdk_available()
 O0 = {"option_json": "O0"}  # the interpreter preset: instant compiles
 
@@ -140,7 +126,7 @@ def test_without_mlsdk_the_hardware_error_says_what_to_install():
             make()
         message = str(info.value)
         assert "mlsdk" in message and "MN-Core SDK" in message and "pfvm:cpu" in message
-    assert type(Context("pfvm:cpu")) is Context
+    assert type(Context("pfvm:cpu")) is EmulatorContext
     assert resolve_backend("pfvm:cpu") == "emulator"
 
 
@@ -167,7 +153,7 @@ def test_device_string_picks_the_backend(mlsdk):
     assert hardware.backend == "mlsdk" and str(hardware.device) == "mncore2:auto"
     assert isinstance(hardware.sdk_context, mlsdk.Context)
     emulated = Context("pfvm:cpu")
-    assert type(emulated) is Context and emulated.backend == "emulator"
+    assert type(emulated) is EmulatorContext and emulated.backend == "emulator"
     vm = Context("pfvm:cpu", backend="mlsdk")  # MLSDK's own virtual machine
     assert isinstance(vm, MLSDKContext) and vm.sdk_context.device.device_str == "pfvm:cpu"
     assert [c.args["device"] for c in mlsdk.call_log if c.name == "MNDevice"] == [

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from device_testing import (
+
+from tests.device.device_testing import (
     GrokkingCNN,
     compile_o0,
     device_train,
@@ -79,5 +80,5 @@ def test_o0_dropout_matches_eager_with_the_same_seed(context, batch):
     torch.manual_seed(77)
     expected = eager_train(reference, make_sgd(reference.parameters(), 0.1, 0.5), nll, [batch] * 5)
     torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)

@@ -6,7 +6,14 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from device_testing import (
+
+from mncore_device import (
+    RegistrationError,
+    set_buffer_name_in_optimizer,
+    set_tensor_name,
+    set_tensor_name_in_module,
+)
+from tests.device.device_testing import (
     HAS_MNCORE_SGD,
     MNCoreSGD,
     Wrapped,
@@ -21,13 +28,6 @@ from device_testing import (
     register,
     training_step,
     twin,
-)
-
-from mncore_device import (
-    RegistrationError,
-    set_buffer_name_in_optimizer,
-    set_tensor_name,
-    set_tensor_name_in_module,
 )
 
 needs_mncore_sgd = pytest.mark.skipif(
@@ -236,7 +236,7 @@ def test_compile_leaves_host_state_and_rng_untouched(context):
     assert torch.equal(torch.get_rng_state(), rng)
     for key, value in model.state_dict().items():
         assert torch.equal(value, state[key]), key
-    for before, after in zip(momentum, _momentum_buffers(optimizer)):
+    for before, after in zip(momentum, _momentum_buffers(optimizer), strict=True):
         assert torch.equal(before, after)
     assert all(p.grad is None for p in model.parameters())
     assert calls.item() == 0

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from device_testing import (
+
+from tests.device.device_testing import (
     SGD_KINDS,
     assert_state_close,
     classification_batches,

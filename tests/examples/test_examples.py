@@ -1,8 +1,7 @@
 """Each example end to end, in-process, on a tiny budget; then what it left behind.
 
 The Lightning examples run on the ``cpu`` accelerator and on ``mncore`` (MN-Core's CPU virtual
-machine); the ``mncore`` runs skip themselves where ``mncore_lightning.strategy`` cannot be
-imported.
+machine).
 """
 
 from __future__ import annotations
@@ -214,18 +213,10 @@ def test_autoencoder_trains_reloads_and_exports(
     np.testing.assert_allclose(from_script, expected, atol=1e-5)
 
 
-def _require_device_layer() -> None:
-    pytest.importorskip("mncore_device")
-    optimizers = pytest.importorskip("mncore_lightning.optimizers")
-    if not hasattr(optimizers, "MNCoreSGD"):
-        pytest.skip("mncore_lightning.optimizers.MNCoreSGD does not exist yet")
-
-
 def test_mlsdk_mnist(
     tmp_path: Path, no_mnist_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The MLSDK-style loop on the real device layer (MN-Core's CPU virtual machine)."""
-    _require_device_layer()
     import mlsdk_mnist
 
     argv = ["--outdir", str(tmp_path), "--data-dir", str(no_mnist_dir), "--device", "pfvm:cpu"]

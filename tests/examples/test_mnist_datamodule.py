@@ -183,7 +183,7 @@ def test_digits_split_is_fixed(tmp_path: Path) -> None:
     a.setup("fit")
     b.setup("fit")
     assert a.train_dataset.tensors[0].shape == (1497, 1, 28, 28)
-    for mine, theirs in zip(a.test_dataset.tensors, b.test_dataset.tensors):
+    for mine, theirs in zip(a.test_dataset.tensors, b.test_dataset.tensors, strict=True):
         assert torch.equal(mine, theirs)
-    for mine, theirs in zip(a.train_dataset.tensors, b.train_dataset.tensors):
+    for mine, theirs in zip(a.train_dataset.tensors, b.train_dataset.tensors, strict=True):
         assert torch.equal(mine, theirs)

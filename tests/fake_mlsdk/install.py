@@ -1,7 +1,7 @@
 """Put the fake `mlsdk` (tests/fake_mlsdk/mlsdk) on the import path for one test, then remove it.
 
-Test files load this module by path (tests are not a package) and wrap `installed` in a
-fixture. While installed, `import mlsdk` gives a fresh fake (empty call log) and
+Test files import this module (`from tests.fake_mlsdk import install as fake`) and wrap
+`installed` in a fixture. While installed, `import mlsdk` gives a fresh fake (empty call log) and
 $PRESET_OPTIONS_DIR points at the fake's preset files; afterwards `mlsdk` is not importable
 again, so other tests still see "MLSDK not installed".
 """

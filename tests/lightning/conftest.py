@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from lightning_testing import mncore_env
+
+from tests.lightning.lightning_testing import mncore_env
 
 
 @pytest.fixture(autouse=True)

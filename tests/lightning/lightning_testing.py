@@ -234,5 +234,5 @@ def assert_optimizer_state_close(a: torch.optim.Optimizer, b: torch.optim.Optimi
             torch.testing.assert_close(
                 torch.as_tensor(ta[key]), torch.as_tensor(tb[key]), atol=ATOL, rtol=0
             )
-    for ga, gb in zip(sa["param_groups"], sb["param_groups"]):
+    for ga, gb in zip(sa["param_groups"], sb["param_groups"], strict=True):
         assert ga["lr"] == pytest.approx(gb["lr"], abs=1e-12)

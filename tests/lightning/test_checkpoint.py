@@ -12,7 +12,8 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning_testing import (
+
+from tests.lightning.lightning_testing import (
     ATOL,
     LitClassifier,
     assert_optimizer_state_close,

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lightning_testing import assert_state_close, fit_once, loader
+
+from tests.lightning.lightning_testing import assert_state_close, fit_once, loader
 
 
 def _run(accelerator, optimizer="sgd", **overrides):

@@ -8,8 +8,14 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning_testing import LitClassifier, assert_state_close, make_dataset, make_trainer
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset
+
+from tests.lightning.lightning_testing import (
+    LitClassifier,
+    assert_state_close,
+    make_dataset,
+    make_trainer,
+)
 
 N, BATCH = 70, 16  # 4 full batches, 6 samples skipped per epoch
 

@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning_testing import LitClassifier, loader, make_trainer
 from torch.utils.data import DataLoader, TensorDataset
 
 from mncore_device import StaticGraphError
+from tests.lightning.lightning_testing import LitClassifier, loader, make_trainer
 
 
 def _fit(model, **overrides):

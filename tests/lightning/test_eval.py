@@ -9,8 +9,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
-from lightning_testing import LitClassifier, assert_metrics_close, fit_once, loader, make_trainer
 from torch.utils.data import DataLoader, TensorDataset
+
+from tests.lightning.lightning_testing import (
+    LitClassifier,
+    assert_metrics_close,
+    fit_once,
+    loader,
+    make_trainer,
+)
 
 
 class CountingClassifier(LitClassifier):
@@ -110,7 +117,9 @@ def test_fit_ragged_validation_matches_cpu_and_compiles_two_graphs():
     assert watcher.sizes == cpu_watcher.sizes == [32, 32] + [32, 32, 6] * 3
     # sanity check + 3 epochs: the full-batch graph and the ragged-batch graph, never more
     assert watcher.eval_graphs == [1, 2, 2, 2]
-    for metrics, cpu_metrics in zip(collector.epoch_metrics, cpu_collector.epoch_metrics):
+    for metrics, cpu_metrics in zip(
+        collector.epoch_metrics, cpu_collector.epoch_metrics, strict=True
+    ):
         assert_metrics_close(metrics, cpu_metrics)
     assert collector.epoch_metrics[-1]["val_samples"] == 70
 

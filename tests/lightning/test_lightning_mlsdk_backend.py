@@ -7,17 +7,20 @@ the run must match accelerator="cpu"; its call log shows what the plugin asked o
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import sys
-from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
-from lightning_testing import (
+
+import mncore_device
+from mncore_device import MLSDKContext, MLSDKNotInstalledError
+from mncore_lightning import MNCoreStrategy
+from tests.fake_mlsdk import install as fake
+from tests.lightning.lightning_testing import (
     ATOL,
     LitClassifier,
     assert_state_close,
@@ -26,24 +29,7 @@ from lightning_testing import (
     make_trainer,
 )
 
-import mncore_device
-from mncore_device import MLSDKContext, MLSDKNotInstalledError
-from mncore_lightning import MNCoreStrategy
-
-_INSTALL = Path(__file__).resolve().parents[1] / "fake_mlsdk" / "install.py"
 RANK_ZERO_LOGGER = "lightning.pytorch.utilities.rank_zero"
-
-
-def _fake_installer():
-    if "fake_mlsdk_install" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("fake_mlsdk_install", _INSTALL)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    return sys.modules["fake_mlsdk_install"]
-
-
-fake = _fake_installer()
 
 pytestmark = [  # the scheduler's optimizer is replaced by MLSDK's, whose step() runs on the device
     pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)`"),
@@ -164,7 +150,7 @@ def test_calls_reach_mlsdk_in_order_and_checkpoints_follow_synchronize(mlsdk, tm
 
     # outputs (MLSDK proxies) become host tensors once per call, in the strategy's _to_host
     steps = [i for i, n in enumerate(calls) if n == "CompiledFunction.__call__"]
-    for start, end in zip(steps, steps[1:] + [len(log)]):
+    for start, end in zip(steps, steps[1:] + [len(log)], strict=True):
         converted = [c.args["name"] for c in log[start:end] if c.name == "TensorProxy.cpu"]
         assert converted  # the loss and the logged values of each step ...
         assert len(converted) == len(set(converted))  # ... each converted once
@@ -200,8 +186,18 @@ def test_resume_pushes_the_loaded_state_to_the_device(mlsdk, tmp_path):
 
 
 def _banner(caplog, strategy) -> list[str]:
+    # The banner is printed when the strategy is set up (at fit), not for every Trainer.
+    trainer = L.Trainer(
+        accelerator="mncore",
+        strategy=strategy,
+        logger=False,
+        max_steps=1,
+        limit_val_batches=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
     with caplog.at_level(logging.INFO, logger=RANK_ZERO_LOGGER):
-        L.Trainer(accelerator="mncore", strategy=strategy, logger=False)
+        trainer.fit(LitClassifier(), loader())
     return [r.getMessage() for r in caplog.records if r.name == RANK_ZERO_LOGGER]
 
 

@@ -13,7 +13,9 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-from lightning_testing import (
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests.lightning.lightning_testing import (
     ATOL,
     LitClassifier,
     assert_metrics_close,
@@ -21,7 +23,6 @@ from lightning_testing import (
     loader,
     mncore_env,
 )
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 
 class LoggingModule(LitClassifier):
@@ -129,18 +130,18 @@ def test_final_metrics_match_cpu(runs):
 def test_per_step_and_per_epoch_metrics_match_cpu(runs):
     cpu, mn = runs["cpu"][1], runs["mncore"][1]
     assert len(mn.steps) == len(cpu.steps) == 8
-    for (mn_cb, mn_pb), (cpu_cb, cpu_pb) in zip(mn.steps, cpu.steps):
+    for (mn_cb, mn_pb), (cpu_cb, cpu_pb) in zip(mn.steps, cpu.steps, strict=True):
         assert_metrics_close(mn_cb, cpu_cb)
         assert_metrics_close(mn_pb, cpu_pb)
     assert len(mn.epochs) == len(cpu.epochs) == 2
-    for mn_epoch, cpu_epoch in zip(mn.epochs, cpu.epochs):
-        for ours, theirs in zip(mn_epoch, cpu_epoch):
+    for mn_epoch, cpu_epoch in zip(mn.epochs, cpu.epochs, strict=True):
+        for ours, theirs in zip(mn_epoch, cpu_epoch, strict=True):
             assert_metrics_close(ours, theirs)
 
 
 def test_logged_values_are_the_step_values(runs):
     _, recorder, collector = runs["mncore"]
-    for (metrics, _), loss in zip(recorder.steps, collector.losses):
+    for (metrics, _), loss in zip(recorder.steps, collector.losses, strict=True):
         torch.testing.assert_close(metrics["train_loss"], loss)
         torch.testing.assert_close(metrics["both_step"], loss)
         torch.testing.assert_close(metrics["train_double"], loss * 2)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning_testing import LitClassifier, assert_state_close, fit_once, loader
+
+from tests.lightning.lightning_testing import LitClassifier, assert_state_close, fit_once, loader
 
 
 class CompileWatcher(Callback):

@@ -14,7 +14,8 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-from lightning_testing import (
+
+from tests.lightning.lightning_testing import (
     ATOL,
     LitClassifier,
     assert_metrics_close,
@@ -58,7 +59,7 @@ def test_mncore_matches_cpu(model_kwargs):
     assert_optimizer_state_close(mn_trainer.optimizers[0], cpu_trainer.optimizers[0])
     # per-epoch validation and training metrics
     assert len(mn.epoch_metrics) == len(cpu.epoch_metrics) == 3
-    for mn_metrics, cpu_metrics in zip(mn.epoch_metrics, cpu.epoch_metrics):
+    for mn_metrics, cpu_metrics in zip(mn.epoch_metrics, cpu.epoch_metrics, strict=True):
         assert_metrics_close(mn_metrics, cpu_metrics)
     assert {"train_loss", "val_loss", "val_acc"} <= set(mn.epoch_metrics[-1])
     assert mn_trainer.global_step == cpu_trainer.global_step == 9

@@ -49,7 +49,7 @@ def train(model, optimizer, steps: int, start: int = 0, scheduler=None) -> None:
 
 
 def assert_same_params(model, reference, rtol: float = 1e-5, atol: float = 1e-8) -> None:
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
 
 
@@ -400,7 +400,7 @@ def test_loading_a_fresh_torch_sgd_state_resets_to_eager_zeros():
     reference.load_state_dict(model.state_dict())
     torch_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9, dampening=0.5)
     optimizer.load_state_dict(torch_optimizer.state_dict())  # never stepped: no buffers
-    for p, buffer in zip(model.parameters(), buffers):
+    for p, buffer in zip(model.parameters(), buffers, strict=True):
         assert optimizer.state[p]["momentum_buffer"] is buffer and not buffer.any()
         assert optimizer.state[p]["step"].item() == 0
     train(model, optimizer, 5, start=3)
@@ -436,7 +436,9 @@ def test_from_torch(torch_cls, mncore_cls, kwargs):
 
     optimizer = from_torch(torch_optimizer)
     assert type(optimizer) is mncore_cls
-    for group, torch_group in zip(optimizer.param_groups, torch_optimizer.param_groups):
+    for group, torch_group in zip(
+        optimizer.param_groups, torch_optimizer.param_groups, strict=True
+    ):
         assert isinstance(group, ParamGroup)
         assert group.keys() == torch_group.keys()
         assert group["params"] == torch_group["params"]
@@ -503,7 +505,7 @@ def test_step_traces_into_a_replayable_static_graph(make_optimizer):
 
     def restore(values: list[torch.Tensor]) -> None:
         with torch.no_grad():
-            for tensor, value in zip(tensors, values):
+            for tensor, value in zip(tensors, values, strict=True):
                 tensor.copy_(value)
         optimizer.zero_grad()
 
@@ -520,17 +522,17 @@ def test_step_traces_into_a_replayable_static_graph(make_optimizer):
     eager_one = snapshot()
     train_step(inputs)
     eager_two = snapshot()
-    for traced, eager in zip(traced_step, eager_one):
+    for traced, eager in zip(traced_step, eager_one, strict=True):
         torch.testing.assert_close(traced, eager, rtol=0, atol=0)
 
     # The graph replays the step (its inputs are the very tensors the optimizer holds) ...
     restore(initial)
     with torch.no_grad():
         graph(tensors, inputs)
-        for replayed, eager in zip(snapshot(), eager_one):
+        for replayed, eager in zip(snapshot(), eager_one, strict=True):
             torch.testing.assert_close(replayed, eager, rtol=0, atol=0)
         graph(tensors, inputs)  # ... the second one too (past SGD's first-step special case)
-    for replayed, eager in zip(snapshot(), eager_two):
+    for replayed, eager in zip(snapshot(), eager_two, strict=True):
         torch.testing.assert_close(replayed, eager, rtol=1e-6, atol=1e-7)
 
     # ... and a host-side lr change reaches it without retracing.
@@ -538,5 +540,5 @@ def test_step_traces_into_a_replayable_static_graph(make_optimizer):
     params = [p.detach().clone() for p in model.parameters()]
     with torch.no_grad():
         graph(tensors, inputs)
-    for p, before in zip(model.parameters(), params):
+    for p, before in zip(model.parameters(), params, strict=True):
         torch.testing.assert_close(p, before, rtol=0, atol=0)

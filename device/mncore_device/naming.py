@@ -44,6 +44,11 @@ def set_buffer_name_in_optimizer(optimizer: torch.optim.Optimizer, prefix: str) 
     name_optimizer_state(optimizer)
 
 
+def optimizer_name_prefix(optimizer: torch.optim.Optimizer) -> str | None:
+    """The prefix given to `set_buffer_name_in_optimizer(optimizer, prefix)`, if any."""
+    return _optimizer_prefixes.get(optimizer)
+
+
 def name_optimizer_state(optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
     """Name (if needed) and return every tensor in `optimizer.state`, in a stable order."""
     prefix = _optimizer_prefixes.get(optimizer)

@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from .presets import Preset
 from .specs import TensorSpec
-from .tracing import REGISTERED, StateBinding, TracedStep
+from .tracing import StateBinding, StateKind, TracedStep
 
 FORMAT_VERSION = 1
 
@@ -45,7 +45,7 @@ def describe(traced: TracedStep) -> dict:
         "state": [
             {
                 "name": s.name,
-                "kind": s.kind,
+                "kind": s.kind.value,
                 "mutated": s.mutated,
                 **TensorSpec.of(s.tensor).to_json(),
             }
@@ -60,7 +60,9 @@ def save(path: Path, traced: TracedStep, specs: dict, preset: Preset) -> None:
     torch.save(_portable(traced.graph_module), path / "graph.pt")
     (path / "graph.py").write_text(traced.graph_module.code)
     (path / "specs.json").write_text(json.dumps({**specs, "preset": preset.to_json()}, indent=1))
-    captured = {s.name: s.tensor.detach().cpu() for s in traced.state if s.kind != REGISTERED}
+    captured = {
+        s.name: s.tensor.detach().cpu() for s in traced.state if s.kind is not StateKind.REGISTERED
+    }
     torch.save(captured, path / "captured.pt")
 
 
@@ -79,6 +81,11 @@ def load(path: Path) -> tuple[TracedStep, dict]:
     if not specs_file.is_file():
         raise FileNotFoundError(f"{path} is not a codegen directory (no specs.json)")
     specs = json.loads(specs_file.read_text())
+    if specs.get("format") != FORMAT_VERSION:
+        raise ValueError(
+            f"{specs_file}: codegen format {specs.get('format')!r}, but this version of "
+            f"mncore_device reads format {FORMAT_VERSION}: compile the step again"
+        )
     gm: fx.GraphModule = torch.load(path / "graph.pt", weights_only=False)
     captured = torch.load(path / "captured.pt", weights_only=True)
     state = []
@@ -87,7 +94,9 @@ def load(path: Path) -> tuple[TracedStep, dict]:
         tensor = captured.get(
             entry["name"], torch.empty(spec.shape, dtype=spec.dtype, device="meta")
         )
-        state.append(StateBinding(entry["name"], entry["kind"], tensor, entry["mutated"]))
+        state.append(
+            StateBinding(entry["name"], StateKind(entry["kind"]), tensor, entry["mutated"])
+        )
     traced = TracedStep(
         gm,
         state,

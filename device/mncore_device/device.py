@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
+from enum import StrEnum
 
 import torch
 
@@ -12,9 +13,15 @@ from .errors import MLSDKNotInstalledError
 EMULATED = "pfvm"
 HARDWARE = "mncore2"
 
-EMULATOR_BACKEND = "emulator"  # this package's emulated MN-Core
-MLSDK_BACKEND = "mlsdk"  # PFN's MLSDK: real hardware, or MLSDK's own virtual machine (pfvm)
-BACKENDS = (EMULATOR_BACKEND, MLSDK_BACKEND)
+
+class Backend(StrEnum):
+    """Which implementation runs a device (a str: `Backend.MLSDK == "mlsdk"`)."""
+
+    EMULATOR = "emulator"  # this package's emulated MN-Core
+    MLSDK = "mlsdk"  # PFN's MLSDK: real hardware, or MLSDK's own virtual machine (pfvm)
+
+
+BACKENDS = tuple(Backend)
 
 
 def mlsdk_available() -> bool:
@@ -33,24 +40,25 @@ def mlsdk_missing_message(what: str) -> str:
     )
 
 
-def resolve_backend(device: MNDevice | str, backend: str | None = None) -> str:
+def resolve_backend(device: MNDevice | str, backend: str | None = None) -> Backend:
     """Which implementation runs `device`: "mlsdk" (PFN's SDK) or "emulator" (this package).
 
     The device string decides unless `backend` is given: "mncore2:*" is real hardware and runs
     on MLSDK; "pfvm:*" runs on the emulator, or on MLSDK's own virtual machine with
     backend="mlsdk". Choosing MLSDK without MLSDK installed raises MLSDKNotInstalledError.
     """
-    kind = device.kind if isinstance(device, MNDevice) else str(device).partition(":")[0]
+    platform = device.platform if isinstance(device, MNDevice) else str(device).partition(":")[0]
     if backend is None:
-        backend = MLSDK_BACKEND if kind == HARDWARE else EMULATOR_BACKEND
+        backend = Backend.MLSDK if platform == HARDWARE else Backend.EMULATOR
     elif backend not in BACKENDS:
         raise ValueError(f"unknown MN-Core backend {backend!r}: use 'emulator' or 'mlsdk'")
-    elif backend == EMULATOR_BACKEND and kind == HARDWARE:
+    backend = Backend(backend)
+    if backend is Backend.EMULATOR and platform == HARDWARE:
         raise ValueError(
             f"device {str(device)!r} is real MN-Core hardware, which runs on MLSDK: the emulator "
             "backend runs 'pfvm:cpu' or 'pfvm:cuda'"
         )
-    if backend == MLSDK_BACKEND and not mlsdk_available():
+    if backend is Backend.MLSDK and not mlsdk_available():
         raise MLSDKNotInstalledError(mlsdk_missing_message(f"MN-Core device {str(device)!r}"))
     return backend
 
@@ -61,41 +69,43 @@ class MNDevice:
 
     "pfvm:*" is the emulated MN-Core of this package: device memory is host memory
     (cpu) or the memory of a CUDA GPU (cuda). "mncore2:*" is real hardware and needs MLSDK.
+    `platform` is the part before the first colon ("pfvm", "mncore2"), `target` the rest
+    ("cpu", "cuda:1", "auto", "3").
     """
 
-    kind: str
-    index: str
+    platform: str
+    target: str
     torch_device: torch.device
 
     def __init__(self, spec: str = "pfvm:cpu") -> None:
-        kind, _, index = str(spec).partition(":")
-        if kind == HARDWARE:
-            if not (index == "auto" or index.isdigit()):
+        platform, _, target = str(spec).partition(":")
+        if platform == HARDWARE:
+            if not (target == "auto" or target.isdigit()):
                 raise ValueError(f"MNDevice({spec!r}): use 'mncore2:auto' or 'mncore2:N'")
             if not mlsdk_available():
                 raise MLSDKNotInstalledError(mlsdk_missing_message(f"MNDevice({spec!r})"))
             torch_device = torch.device("cpu")
-        elif kind == EMULATED:
-            torch_device = _emulated_torch_device(spec, index)
+        elif platform == EMULATED:
+            torch_device = _emulated_torch_device(spec, target)
         else:
             raise ValueError(
                 f"unknown MN-Core device {spec!r}: expected 'pfvm:cpu', 'pfvm:cuda', "
                 "'mncore2:auto' or 'mncore2:N'"
             )
-        object.__setattr__(self, "kind", kind)
-        object.__setattr__(self, "index", index)
+        object.__setattr__(self, "platform", platform)
+        object.__setattr__(self, "target", target)
         object.__setattr__(self, "torch_device", torch_device)
 
     @property
     def is_emulated(self) -> bool:
-        return self.kind == EMULATED
+        return self.platform == EMULATED
 
     def __str__(self) -> str:
-        return f"{self.kind}:{self.index}"
+        return f"{self.platform}:{self.target}"
 
 
-def _emulated_torch_device(spec: str, index: str) -> torch.device:
-    backend, _, number = index.partition(":")
+def _emulated_torch_device(spec: str, target: str) -> torch.device:
+    backend, _, number = target.partition(":")
     if backend == "cpu" and not number:
         return torch.device("cpu")
     if backend == "cuda":

@@ -11,23 +11,33 @@ from pathlib import Path
 import torch
 
 
-def _package_dirs(*names: str) -> tuple[str, ...]:
+def _package_dirs(*names: str) -> list[str]:
     """Directories of installed packages, found without importing them."""
     dirs = []
     for name in names:
         spec = importlib.util.find_spec(name)
         for location in (spec.submodule_search_locations or []) if spec else []:
             dirs.append(str(Path(location).resolve()) + os.sep)
-    return tuple(dirs)
+    return dirs
 
 
 # Frames in these directories are library code; an error names the first frame outside them.
-_LIBRARY_DIRS = (
+_LIBRARY_DIRS: tuple[str, ...] = (
     str(Path(torch.__file__).resolve().parent) + os.sep,
     str(Path(__file__).resolve().parent) + os.sep,
-    str(Path(__file__).resolve().parent.parent / "mncore_lightning") + os.sep,
     str(Path(contextlib.__file__).resolve()),
-) + _package_dirs("lightning", "pytorch_lightning", "lightning_fabric", "torchmetrics")
+)
+
+
+def add_library_dirs(*packages: str) -> None:
+    """Treat the code of these installed packages (by import name) as library code.
+
+    A framework built on this layer names itself and the libraries it drives here, so that
+    errors point at the user's line rather than at the framework's own frames.
+    """
+    global _LIBRARY_DIRS
+    new = [d for d in _package_dirs(*packages) if d not in _LIBRARY_DIRS]
+    _LIBRARY_DIRS = _LIBRARY_DIRS + tuple(new)
 
 
 def _is_library(filename: str) -> bool:

@@ -6,21 +6,23 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from .errors import InputSpecError
 from .executors import Executor
-from .specs import TensorSpec
+from .specs import TensorSpec, check_input, check_input_keys
+from .tracing import StateKind
 
 
 class DeviceSlot:
     """One tensor in device memory. Compiled calls replace `value` with the updated tensor."""
 
-    __slots__ = ("name", "host", "value", "kind", "host_version")
+    __slots__ = ("name", "host", "value", "state_kind", "host_version")
 
-    def __init__(self, name: str, host: torch.Tensor | None, value: torch.Tensor, kind: str):
+    def __init__(
+        self, name: str, host: torch.Tensor | None, value: torch.Tensor, state_kind: StateKind
+    ) -> None:
         self.name = name
         self.host = host
         self.value = value
-        self.kind = kind
+        self.state_kind = state_kind
         self.host_version = host._version if host is not None else None
 
     def refresh_from_host(self) -> None:
@@ -42,7 +44,7 @@ class InputProxy:
 
     def load_from(self, tensor: torch.Tensor, clone: bool = True) -> None:
         """Copy `tensor` into the buffer; with clone=False a same-device tensor is used as is."""
-        _check_spec(self.name, self.spec, tensor)
+        check_input(self.name, self.spec, tensor)
         if not clone and tensor.device == self.tensor.device:
             self.tensor = tensor  # borrowed: never written into
             self._owned = False
@@ -77,7 +79,9 @@ class CompiledFunction:
         self._executor = executor
         self._state = list(state)
         self._mutated = list(mutated)
-        self._constants = [s for s in self._state if s.kind == "constant" and s.host is not None]
+        self._constants = [
+            s for s in self._state if s.state_kind is StateKind.CONSTANT and s.host is not None
+        ]
         self.input_specs = dict(input_specs)
         self.output_specs = dict(output_specs)
         self._input_items = list(self.input_specs.items())
@@ -104,23 +108,12 @@ class CompiledFunction:
         args = self._arguments(inputs)
         outputs = self._executor(args)
         n = len(self._output_keys)
-        for slot, value in zip(self._mutated, outputs[n:]):
+        for slot, value in zip(self._mutated, outputs[n:], strict=True):
             slot.value = value
-        return dict(zip(self._output_keys, outputs[:n]))
+        return dict(zip(self._output_keys, outputs[:n], strict=True))
 
     def _arguments(self, inputs) -> list[torch.Tensor]:
-        if not isinstance(inputs, Mapping):
-            raise TypeError(
-                f"a compiled function takes a dict of tensors, got {type(inputs).__name__}"
-            )
-        if len(inputs) != len(self._input_items) or any(
-            k not in inputs for k, _ in self._input_items
-        ):
-            expected = sorted(self.input_specs)
-            raise InputSpecError(
-                f"compiled function called with inputs {sorted(inputs)}, but it was compiled "
-                f"for {expected}: the keys must be those of the sample"
-            )
+        check_input_keys(inputs, self.input_specs)
         for slot in self._constants:
             slot.refresh_from_host()
         args = [slot.value for slot in self._state]
@@ -132,24 +125,8 @@ class CompiledFunction:
             elif not isinstance(value, torch.Tensor):
                 raise TypeError(f"input {key!r} must be a tensor, got {type(value).__name__}")
             if value.shape != spec.shape or value.dtype != spec.dtype:
-                _check_spec(key, spec, value)
+                check_input(key, spec, value)
             if value.device != device:
                 value = value.to(device, non_blocking=True)
             args.append(value if value.is_contiguous() else value.contiguous())
         return args
-
-
-def _check_spec(key: str, spec: TensorSpec, value: torch.Tensor) -> None:
-    if tuple(value.shape) != spec.shape or value.dtype != spec.dtype:
-        got = TensorSpec.of(value)
-        hint = ""
-        if value.dim() and spec.shape and tuple(value.shape[1:]) == spec.shape[1:]:
-            hint = (
-                f" The batch size differs ({value.shape[0]} vs {spec.shape[0]}): use "
-                "drop_last=True in the training DataLoader, or pad the last batch to "
-                f"{spec.shape[0]} samples."
-            )
-        raise InputSpecError(
-            f"input {key!r}: expected shape {spec}, got {got}. A compiled function has static "
-            f"shapes fixed by its sample, and nothing is recompiled silently.{hint}"
-        )

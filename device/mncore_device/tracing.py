@@ -18,6 +18,7 @@ import contextlib
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 import torch.fx as fx
@@ -39,9 +40,14 @@ from .specs import TensorSpec
 
 aten = torch.ops.aten
 
-REGISTERED = "registered"  # Context state: shared by compiled functions, synchronized
-PRIVATE = "private"  # updated by the step but never registered: device-only, never synced
-CONSTANT = "constant"  # read but never written: copied to the device, refreshed on host change
+
+class StateKind(Enum):
+    """What one state input of a traced graph is to the device."""
+
+    REGISTERED = "registered"  # Context state: shared by compiled functions, synchronized
+    PRIVATE = "private"  # updated by the step but never registered: device-only, never synced
+    CONSTANT = "constant"  # read but never written: copied to the device, refreshed on host change
+
 
 _DATA_DEPENDENT_OPS = {
     aten._local_scalar_dense.default: "reads a tensor's value on the host (.item(), float(t), "
@@ -64,7 +70,7 @@ class StateBinding:
     """One state input of a traced graph."""
 
     name: str
-    kind: str  # REGISTERED, PRIVATE or CONSTANT
+    kind: StateKind
     tensor: torch.Tensor  # the host tensor (or, after loading a codegen dir, its saved value)
     mutated: bool = False
 
@@ -77,14 +83,6 @@ class TracedStep:
     state: list[StateBinding]
     input_specs: dict[str, TensorSpec]
     output_specs: dict[str, TensorSpec]
-
-    @property
-    def input_keys(self) -> list[str]:
-        return list(self.input_specs)
-
-    @property
-    def output_keys(self) -> list[str]:
-        return list(self.output_specs)
 
     @property
     def mutated_state(self) -> list[int]:
@@ -111,7 +109,7 @@ def trace_step(
     guard = _TraceGuard()
 
     def flat_step(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        batch = dict(zip(input_keys, args[len(reg_tensors) :]))
+        batch = dict(zip(input_keys, args[len(reg_tensors) :], strict=True))
         with guard:
             result = function(batch)
         output_specs.update((k, TensorSpec.of(v)) for k, v in _check_outputs(result).items())
@@ -122,14 +120,19 @@ def trace_step(
             gm = make_fx(flat_step, _DECOMPOSITIONS, tracing_mode="real")(*reg_tensors, *inputs)
         gm = _strip_profiler_ops(gm)
         constants = _lift_constants(gm, n_inputs_before=len(reg_tensors))
-        state = [StateBinding(n, REGISTERED, t) for n, t in zip(reg_names, reg_tensors)]
-        state += [StateBinding(_describe(t, i), CONSTANT, t) for i, t in enumerate(constants)]
+        state = [
+            StateBinding(n, StateKind.REGISTERED, t)
+            for n, t in zip(reg_names, reg_tensors, strict=True)
+        ]
+        state += [
+            StateBinding(_describe(t, i), StateKind.CONSTANT, t) for i, t in enumerate(constants)
+        ]
         functional, mutated = _functionalize(gm, [s.tensor for s in state] + inputs, len(state))
     for index in mutated:
         state[index].mutated = True
     for binding in state:
-        if binding.kind == CONSTANT and binding.mutated:
-            binding.kind = PRIVATE
+        if binding.kind is StateKind.CONSTANT and binding.mutated:
+            binding.kind = StateKind.PRIVATE
             warnings.warn(
                 f"tensor {binding.name!r} is updated by the compiled step but was never registered: "
                 "it trains on the device, but synchronize() will not write it back to the host. "
@@ -170,7 +173,8 @@ class _TraceGuard(TorchDispatchMode):
                 "code out of the compiled step."
             )
         if func._schema.is_mutable:
-            for arg, value in zip(func._schema.arguments, args):
+            # args may stop before the schema's trailing defaulted arguments
+            for arg, value in zip(func._schema.arguments, args, strict=False):
                 written = arg.alias_info is not None and arg.alias_info.is_write
                 if written and isinstance(value, torch.Tensor) and not _is_traced(value, tracer):
                     self._save(value)
@@ -227,12 +231,14 @@ class _restored:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         with torch.no_grad():
-            for tensor, value, grad in zip(self.tensors, self.values, self.grads):
+            for tensor, value, grad in zip(self.tensors, self.values, self.grads, strict=True):
                 tensor.copy_(value)
                 tensor.grad = grad
         self.guard.restore()
-        lazy = [o for o, k in zip(self.optimizers, self.state_keys) if _state_keys(o) != k]
-        for optimizer, keys in zip(self.optimizers, self.state_keys):
+        lazy = [
+            o for o, k in zip(self.optimizers, self.state_keys, strict=True) if _state_keys(o) != k
+        ]
+        for optimizer, keys in zip(self.optimizers, self.state_keys, strict=True):
             _drop_new_state(optimizer, dict(keys))
         if lazy:
             # Lazy state often fails tracing first (torch.optim.Adam reads its new step with
@@ -240,8 +246,9 @@ class _restored:
             raise StaticGraphError(
                 f"{type(lazy[0]).__name__} created new state while the step was traced "
                 "(torch.optim creates momentum/Adam buffers lazily on the first step). "
-                "Device state must exist before compile: use mncore_lightning.optimizers "
-                "(MNCoreSGD, MNCoreAdam, MNCoreAdamW), whose state is created eagerly."
+                "Device state must exist before compile: use an optimizer that creates its state "
+                "when it is constructed and keeps its hyperparameters in tensors (the MN-Core "
+                "optimizers MNCoreSGD, MNCoreAdam and MNCoreAdamW do)."
             ) from exc
 
 
@@ -385,7 +392,7 @@ def _prune_unused_state(traced: TracedStep) -> TracedStep:
     graph = traced.graph_module.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     keep = []
-    for binding, node in zip(traced.state, placeholders):
+    for binding, node in zip(traced.state, placeholders[: len(traced.state)], strict=True):
         if node.users or binding.mutated:
             keep.append(binding)
         else:

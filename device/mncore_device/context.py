@@ -1,0 +1,242 @@
+"""`Context`: the device's memory and the steps compiled against it (MLSDK's programming model).
+
+`Context` is the interface every backend implements; `Context(device)` returns the
+implementation that runs `device`: `EmulatorContext` (this package's emulated MN-Core,
+"pfvm:*") or `MLSDKContext` (PFN's MLSDK, "mncore2:*", or "pfvm:*" with backend="mlsdk").
+What is the same on every backend lives here: choosing the backend, the current context,
+naming and registration checks (with the one copy of each message), host transfers of
+outputs. Each backend fills in device memory, transfers and compilation.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Mapping
+from enum import StrEnum
+from typing import Any, ClassVar
+
+import torch
+
+from .artifacts import CacheOptions
+from .device import Backend, MNDevice, resolve_backend
+from .errors import RegistrationError
+from .naming import get_tensor_name, name_optimizer_state
+
+StepFunction = Callable[[Mapping[str, torch.Tensor]], Mapping[str, torch.Tensor]]
+
+
+class Role(StrEnum):
+    """What a registered tensor is to the model: the `register_<role>` call that made it."""
+
+    PARAM = "param"
+    BUFFER = "buffer"
+    OPTIMIZER = "optimizer"
+
+
+class Context(ABC):
+    """Device memory plus the functions compiled against it.
+
+    `Context(device, backend=None)`: the device string picks the backend ("mncore2:*" runs on
+    PFN's MLSDK, "pfvm:*" on this package's emulator; backend="mlsdk" runs "pfvm:*" on MLSDK's
+    own virtual machine), and the result is that backend's Context.
+    """
+
+    backend: ClassVar[Backend]
+    _implementations: ClassVar[dict[Backend, type[Context]]] = {}
+    _current: ClassVar[Context | None] = None
+
+    def __init_subclass__(cls, backend: Backend | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if backend is not None:
+            cls.backend = backend
+            Context._implementations[backend] = cls
+
+    def __new__(cls, device: MNDevice | str = "pfvm:cpu", backend: str | None = None) -> Context:
+        if cls is Context:
+            cls = Context._implementations[resolve_backend(device, backend)]
+        return super().__new__(cls)
+
+    def __init__(self, device: MNDevice | str = "pfvm:cpu", backend: str | None = None) -> None:
+        self.device = device if isinstance(device, MNDevice) else MNDevice(device)
+        if resolve_backend(self.device, backend or self.backend) is not self.backend:
+            raise ValueError(
+                f"{type(self).__name__} runs the {self.backend} backend; "
+                f"use Context({str(self.device)!r}, backend={backend!r}) instead"
+            )
+        self._registered: dict[str, torch.Tensor] = {}  # name -> host tensor
+        self._names: dict[int, str] = {}  # id(host tensor) -> name
+        self._optimizers: list[torch.optim.Optimizer] = []
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(device={self.device})"
+
+    # --- the current context -----------------------------------------------------------
+
+    @staticmethod
+    def switch_context(context: Context) -> None:
+        """Make `context` the current one (on MLSDK, MLSDK's current context too)."""
+        Context._current = context
+        context._made_current()
+
+    def _made_current(self) -> None:
+        """Called by switch_context: a backend with its own current context follows it."""
+        return None
+
+    @staticmethod
+    def get_current_context() -> Context:
+        if Context._current is None:
+            raise RuntimeError("no current Context: call Context.switch_context(context) first")
+        return Context._current
+
+    # --- registration --------------------------------------------------------------------
+
+    def register_param(self, param: torch.Tensor) -> None:
+        """Copy a parameter into device memory; compiled steps then train the device copy."""
+        self._register(param, Role.PARAM)
+
+    def register_buffer(self, buffer: torch.Tensor) -> None:
+        """Copy a buffer (e.g. BatchNorm running stats) into device memory."""
+        self._register(buffer, Role.BUFFER)
+
+    def register_optimizer_buffers(self, optimizer: torch.optim.Optimizer) -> None:
+        """Copy every tensor of `optimizer.state` into device memory.
+
+        Name them first with `set_buffer_name_in_optimizer`. The device layer accepts any
+        optimizer whose step can be traced once and replayed: it must create its state before
+        the first step (so it can be registered here) and keep every number its step reads in
+        a tensor (a Python float would be frozen into the graph). A backend may ask for more
+        (MLSDK runs only its own optimizers).
+        """
+        self._check_optimizer(optimizer)
+        named = name_optimizer_state(optimizer)
+        new = [(n, t) for n, t in named if self._registered.get(n) is not t]
+        for name, tensor in new:
+            self._check_name_free(name, tensor, Role.OPTIMIZER)
+        if new or optimizer not in self._optimizers:
+            self._add_optimizer(optimizer, new)
+        for name, tensor in new:
+            self._remember(name, tensor)
+        if optimizer not in self._optimizers:
+            self._optimizers.append(optimizer)
+
+    def _register(self, tensor: torch.Tensor, role: Role) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"register_{role} expects a tensor, got {type(tensor).__name__}")
+        name = self._name_of(tensor, role)
+        if self._registered.get(name) is tensor:
+            return
+        self._check_name_free(name, tensor, role)
+        self._add_tensor(name, tensor, role)
+        self._remember(name, tensor)
+
+    def _name_of(self, tensor: torch.Tensor, role: Role) -> str:
+        name = get_tensor_name(tensor) or self._backend_name(tensor)
+        if name is None:
+            raise RegistrationError(
+                f"register_{role}: a tensor of shape {list(tensor.shape)} has no name. Name it "
+                "first: set_tensor_name_in_module(model, 'model'), "
+                "set_buffer_name_in_optimizer(optimizer, 'optimizer') or set_tensor_name(t, name)."
+            )
+        return name
+
+    def _backend_name(self, tensor: torch.Tensor) -> str | None:
+        """A name the backend's own naming functions gave `tensor` (none by default)."""
+        return None
+
+    def _check_name_free(self, name: str, tensor: torch.Tensor, role: Role) -> None:
+        existing = self._registered.get(name)
+        if existing is not None and existing is not tensor:
+            raise RegistrationError(
+                f"register_{role}: the name {name!r} is already registered for another tensor; "
+                "give each model its own prefix in set_tensor_name_in_module"
+            )
+
+    def _remember(self, name: str, tensor: torch.Tensor) -> None:
+        self._registered[name] = tensor
+        self._names[id(tensor)] = name
+
+    def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refuse an optimizer this backend cannot run (every one is accepted by default)."""
+        return None
+
+    @abstractmethod
+    def _add_tensor(self, name: str, tensor: torch.Tensor, role: Role) -> None:
+        """Put one newly registered host tensor into device memory."""
+
+    @abstractmethod
+    def _add_optimizer(
+        self, optimizer: torch.optim.Optimizer, new: list[tuple[str, torch.Tensor]]
+    ) -> None:
+        """Put an optimizer's newly registered state (`new`, named) into device memory."""
+
+    def is_registered(self, tensor: torch.Tensor) -> bool:
+        name = self._names.get(id(tensor))
+        return name is not None and self._registered.get(name) is tensor
+
+    def _require_registered(self, tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        tensors = list(tensors)
+        for tensor in tensors:
+            if not self.is_registered(tensor):
+                name = get_tensor_name(tensor)
+                raise RegistrationError(
+                    f"tensor {name or list(tensor.shape)} is not registered in this Context"
+                )
+        return tensors
+
+    @property
+    def registered_names(self) -> list[str]:
+        return list(self._registered)
+
+    @abstractmethod
+    def device_values(self) -> list[torch.Tensor]:
+        """The registered tensors as the device holds them (for memory accounting)."""
+
+    @abstractmethod
+    def get_registered_value_proxy(self, tensor: torch.Tensor) -> Any:
+        """The device-side value of a registered tensor, for explicit transfers (`load_from`)."""
+
+    # --- host <-> device ------------------------------------------------------------------
+
+    @abstractmethod
+    def synchronize(self, tensors: Iterable[torch.Tensor] | None = None) -> None:
+        """Write registered device values back into their host tensors (all, or `tensors`)."""
+
+    def load_from_host(self, tensors: Iterable[torch.Tensor] | None = None) -> None:
+        """Push host values of registered tensors to the device (all, or `tensors`)."""
+        tensors = self._registered.values() if tensors is None else tensors
+        for tensor in self._require_registered(tensors):
+            self.get_registered_value_proxy(tensor).load_from(tensor)
+
+    def to_host(self, outputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """One compiled call's outputs as host (CPU) tensors, converted in one pass.
+
+        Device tensors are moved; a backend's tensor proxies are read with `.cpu()` (on
+        "pfvm:cuda" that may still give a CUDA tensor, hence the second move). Outputs that
+        already live on the host are returned as they are.
+        """
+        host = {}
+        for key, value in outputs.items():
+            tensor = value if isinstance(value, torch.Tensor) else value.cpu()
+            host[key] = tensor if tensor.device.type == "cpu" else tensor.cpu()
+        return host
+
+    # --- compilation ------------------------------------------------------------------------
+
+    @abstractmethod
+    def compile(
+        self,
+        function: StepFunction,
+        inputs: Mapping[str, torch.Tensor],
+        codegen_dir: str | os.PathLike[str] | None = None,
+        options: Mapping[str, object] | None = None,
+        cache_options: CacheOptions | None = None,
+    ) -> Any:
+        """Trace `function` once with the sample `inputs` into one static graph and compile it.
+
+        options: {"option_json": preset name or file (debug, O0 ... O4; default O1)}.
+        """
+
+    @abstractmethod
+    def load_codegen_dir(self, path: str | os.PathLike[str]) -> Any:
+        """Rebuild a function compiled earlier (possibly in another process), without tracing."""

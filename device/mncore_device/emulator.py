@@ -1,0 +1,187 @@
+"""`EmulatorContext`: the emulated MN-Core ("pfvm:cpu", "pfvm:cuda") behind the Context interface.
+
+Registering a tensor copies it into device memory (host memory, or a CUDA GPU's). Compiled
+steps are traced into one functional graph, run by an interpreter or TorchInductor as the
+preset says, and read and update only that memory; `synchronize()` writes it back into the
+host tensors.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+from typing_extensions import override
+
+from . import artifacts
+from .artifacts import CacheOptions
+from .compiled import CompiledFunction, DeviceSlot
+from .context import Context, Role, StepFunction
+from .device import Backend
+from .errors import RegistrationError
+from .executors import build_executor
+from .presets import Preset, load_preset
+from .tracing import StateKind, TracedStep, trace_step
+
+
+class RegisteredValueProxy:
+    """A handle on one registered tensor in device memory (explicit transfers)."""
+
+    def __init__(self, slot: DeviceSlot) -> None:
+        self._slot = slot
+
+    @property
+    def name(self) -> str:
+        return self._slot.name
+
+    @property
+    def shape(self) -> torch.Size:
+        return self._slot.value.shape
+
+    def load_from(self, tensor: torch.Tensor, clone: bool = True) -> None:
+        """Push a host value to the device (e.g. after loading a checkpoint on the host)."""
+        del clone  # device memory is always a copy of the host value
+        current = self._slot.value
+        if tuple(tensor.shape) != tuple(current.shape):
+            raise ValueError(
+                f"load_from: {self.name} has shape {list(current.shape)} on the device, "
+                f"got a tensor of shape {list(tensor.shape)}"
+            )
+        self._slot.value = tensor.detach().to(current.device, current.dtype, copy=True)
+
+    def cpu(self) -> torch.Tensor:
+        """A host copy of the device value (a snapshot: later calls do not change it)."""
+        return self._slot.value.detach().to("cpu", copy=True)
+
+
+class EmulatorContext(Context, backend=Backend.EMULATOR):
+    """This package's emulated MN-Core: device memory is host or CUDA memory."""
+
+    def __init__(self, device="pfvm:cpu", backend: str | None = None) -> None:
+        super().__init__(device, backend)
+        self._slots: dict[str, DeviceSlot] = {}
+
+    # --- registration --------------------------------------------------------------------
+
+    @override
+    def _add_tensor(self, name: str, tensor: torch.Tensor, role: Role) -> None:
+        value = tensor.detach().to(self.device.torch_device, copy=True)
+        self._slots[name] = DeviceSlot(name, tensor, value, StateKind.REGISTERED)
+
+    @override
+    def _add_optimizer(
+        self, optimizer: torch.optim.Optimizer, new: list[tuple[str, torch.Tensor]]
+    ) -> None:
+        for name, tensor in new:
+            self._add_tensor(name, tensor, Role.OPTIMIZER)
+
+    @override
+    def device_values(self) -> list[torch.Tensor]:
+        return [slot.value for slot in self._slots.values()]
+
+    @override
+    def get_registered_value_proxy(self, tensor: torch.Tensor) -> RegisteredValueProxy:
+        (tensor,) = self._require_registered([tensor])
+        return RegisteredValueProxy(self._slots[self._names[id(tensor)]])
+
+    # --- host <-> device ------------------------------------------------------------------
+
+    @override
+    def synchronize(self, tensors: Iterable[torch.Tensor] | None = None) -> None:
+        if tensors is None:
+            slots = self._slots.values()
+        else:
+            slots = [self._slots[self._names[id(t)]] for t in self._require_registered(tensors)]
+        with torch.no_grad():
+            for slot in slots:
+                slot.host.copy_(slot.value)
+
+    # --- compilation ------------------------------------------------------------------------
+
+    @override
+    def compile(
+        self,
+        function: StepFunction,
+        inputs: Mapping[str, torch.Tensor],
+        codegen_dir: str | os.PathLike[str] | None = None,
+        options: Mapping[str, object] | None = None,
+        cache_options: CacheOptions | None = None,
+    ) -> CompiledFunction:
+        start = time.perf_counter()
+        preset = load_preset((options or {}).get("option_json"))
+        traced = trace_step(function, inputs, dict(self._registered), self._optimizers)
+        slots = self._bind(traced)
+        specs = artifacts.describe(traced)
+        if codegen_dir is not None:
+            artifacts.save(Path(os.fspath(codegen_dir)), traced, specs, preset)
+        return self._finish(traced, slots, specs, preset, cache_options, start)
+
+    @override
+    def load_codegen_dir(self, path: str | os.PathLike[str]) -> CompiledFunction:
+        start = time.perf_counter()
+        traced, specs = artifacts.load(Path(os.fspath(path)))
+        slots = self._bind(traced)
+        return self._finish(traced, slots, specs, Preset(**specs["preset"]), None, start)
+
+    def _bind(self, traced: TracedStep) -> list[DeviceSlot]:
+        """Device slots for the graph's state inputs: shared for registered tensors."""
+        slots = []
+        device = self.device.torch_device
+        for binding in traced.state:
+            if binding.kind is StateKind.REGISTERED:
+                slot = self._slots.get(binding.name)
+                if slot is None:
+                    raise RegistrationError(
+                        f"the compiled step needs tensor {binding.name!r}, which is not registered "
+                        "in this Context: name and register the model and optimizer as when it "
+                        "was compiled"
+                    )
+                if slot.value.shape != binding.tensor.shape:
+                    raise RegistrationError(
+                        f"tensor {binding.name!r} has shape {list(slot.value.shape)} here but "
+                        f"{list(binding.tensor.shape)} in the compiled step"
+                    )
+            else:
+                value = binding.tensor.detach().to(device, copy=True)
+                host = (
+                    binding.tensor
+                    if binding.kind is StateKind.CONSTANT and value.device.type != "meta"
+                    else None
+                )
+                slot = DeviceSlot(binding.name, host, value, binding.kind)
+            slots.append(slot)
+        return slots
+
+    def _finish(self, traced, slots, specs, preset, cache_options, start) -> CompiledFunction:
+        device = self.device.torch_device
+        example_args = [slot.value for slot in slots] + [
+            torch.zeros(spec.shape, dtype=spec.dtype, device=device)
+            for spec in traced.input_specs.values()
+        ]
+        hit = False
+        if cache_options is not None:
+            key = artifacts.cache_key(traced, specs, preset, device)
+            hit = artifacts.cache_contains(cache_options, key)
+        executor = build_executor(
+            traced.graph_module,
+            preset,
+            device,
+            example_args,
+            cache_options.path if cache_options is not None else None,
+        )
+        if cache_options is not None:
+            artifacts.cache_record(cache_options, key)
+        mutated = [slots[i] for i in traced.mutated_state]
+        return CompiledFunction(
+            executor,
+            slots,
+            mutated,
+            traced.input_specs,
+            traced.output_specs,
+            device,
+            compile_seconds=time.perf_counter() - start,
+            cache_hit=hit,
+        )

@@ -1,0 +1,60 @@
+"""`TensorSpec`: the shape and dtype of one input, output or state tensor."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from .errors import InputSpecError
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of one input or output of a compiled function."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> TensorSpec:
+        return cls(tuple(tensor.shape), tensor.dtype)
+
+    def to_json(self) -> dict:
+        return {"shape": list(self.shape), "dtype": str(self.dtype).removeprefix("torch.")}
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> TensorSpec:
+        return cls(tuple(data["shape"]), getattr(torch, data["dtype"]))
+
+    def __str__(self) -> str:
+        return f"{list(self.shape)} {str(self.dtype).removeprefix('torch.')}"
+
+
+def check_input_keys(inputs: object, specs: Mapping[str, TensorSpec]) -> None:
+    """A compiled function's call takes a dict with exactly the sample's keys."""
+    if not isinstance(inputs, Mapping):
+        raise TypeError(f"a compiled function takes a dict of tensors, got {type(inputs).__name__}")
+    if len(inputs) != len(specs) or any(k not in inputs for k in specs):
+        raise InputSpecError(
+            f"compiled function called with inputs {sorted(inputs)}, but it was compiled "
+            f"for {sorted(specs)}: the keys must be those of the sample"
+        )
+
+
+def check_input(key: str, spec: TensorSpec, value: torch.Tensor) -> None:
+    """One input of a call has the sample's shape and dtype, else a named InputSpecError."""
+    if tuple(value.shape) != spec.shape or value.dtype != spec.dtype:
+        got = TensorSpec.of(value)
+        hint = ""
+        if value.dim() and spec.shape and tuple(value.shape[1:]) == spec.shape[1:]:
+            hint = (
+                f" The batch size differs ({value.shape[0]} vs {spec.shape[0]}): use "
+                "drop_last=True in the training DataLoader, or pad the last batch to "
+                f"{spec.shape[0]} samples."
+            )
+        raise InputSpecError(
+            f"input {key!r}: expected shape {spec}, got {got}. A compiled function has static "
+            f"shapes fixed by its sample, and nothing is recompiled silently.{hint}"
+        )
