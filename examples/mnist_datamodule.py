@@ -191,7 +191,7 @@ def to_model_inputs(images: torch.Tensor, pad_to: int | None = 32) -> torch.Tens
 
 
 class MNISTDataModule(L.LightningDataModule):
-    """MNIST (or the embedded MNIST sample or digits) as in-memory tensors of shape (1, pad_to, pad_to).
+    """MNIST (or the data shipped in a package) as in-memory tensors of shape (1, pad_to, pad_to).
 
     ``data_dir`` is searched for MNIST files (``./data`` when None; see ``find_mnist_files``).
     ``pad_to=32`` gives the MN-Core tutorial's 32x32 inputs; ``pad_to=None`` keeps 28x28. The
