@@ -28,6 +28,7 @@ from mncore_device._source import user_frame
 LOG_PREFIX = "log/"
 OUTPUT_PREFIX = "out/"
 BATCH_PREFIX = "batch/"
+GRAD_PREFIX = "grad/"
 
 
 @dataclass
@@ -171,16 +172,22 @@ class CompiledHook:
         recorder: LogRecorder,
         returned: _Returned,
         to_host: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+        gradient_params: dict[str, torch.Tensor],
     ) -> None:
         self.compiled = compiled
         self.layout = layout
         self.recorder = recorder
         self.returned = returned
         self.to_host = to_host
+        self.gradient_params = gradient_params
+        # (param, the gradient the last call computed, 0): see MNCoreStrategy.install_gradients
+        self.gradients: list[tuple[torch.Tensor, torch.Tensor, int]] = []
 
     def __call__(self, module: Any, inputs: dict[str, torch.Tensor]) -> Any:
         outputs = self.to_host(self.compiled(inputs))
         self.recorder.replay(module, outputs)
+        if self.gradient_params:
+            self.gradients = [(p, outputs[k], 0) for k, p in self.gradient_params.items()]
         return self.returned.rebuild(outputs)
 
 
@@ -193,6 +200,7 @@ def compile_hook(
     *,
     optimizer: torch.optim.Optimizer | None,
     gradient_clipping: tuple[float | None, str | None] = (None, None),
+    return_gradients: bool = False,
     options: Mapping[str, Any],
     codegen_dir: Any = None,
     cache_options: Any = None,
@@ -200,13 +208,16 @@ def compile_hook(
 ) -> tuple[CompiledHook, dict[str, torch.Tensor]]:
     """Trace `module.<hook_name>(batch, *extra_args)` into a compiled function.
 
-    With `optimizer`, the graph is a whole training step (update included).
-    Returns the hook and the inputs of this batch.
+    With `optimizer`, the graph is a whole training step (update included); with
+    `return_gradients`, it also returns each parameter's gradient as backward left it (before
+    clipping, as Lightning's gradient hooks see it). Returns the hook and the inputs of this
+    batch.
     """
     layout, inputs = BatchLayout.of(batch)
     extra_args = tuple(TraceTimeIndex(a) if type(a) is int else a for a in extra_args)
     recorder = LogRecorder(_static_batch_size(batch))
     returned = _Returned()
+    gradient_params: dict[str, torch.Tensor] = {}
     hook = getattr(module, hook_name)
 
     def step(graph_inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -219,17 +230,25 @@ def compile_hook(
         with recording_logs(module, recorder):
             output = hook(batch, *extra_args)
         module.backward(_loss_of(output))
+        gradients = {}
+        if return_gradients:  # copies: clipping and the update change the grads in place
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            for index, param in enumerate(params):
+                if param.grad is not None:
+                    gradients[f"{GRAD_PREFIX}{index}"] = param.grad.detach().clone()
+                    gradient_params[f"{GRAD_PREFIX}{index}"] = param
+        # As Lightning: the hook is always called; its default clips only if asked to.
         clip_val, clip_algorithm = gradient_clipping
-        if clip_val:
-            module.configure_gradient_clipping(optimizer, clip_val, clip_algorithm)
+        module.configure_gradient_clipping(optimizer, clip_val, clip_algorithm)
         optimizer.step()
-        return {**recorder.tensors, **returned.capture(output)}
+        return {**recorder.tensors, **returned.capture(output), **gradients}
 
     with torch.inference_mode(False):
         compiled = context.compile(
             step, inputs, codegen_dir, options=dict(options), cache_options=cache_options
         )
-    return CompiledHook(compiled, layout, recorder, returned, to_host), inputs
+    hook = CompiledHook(compiled, layout, recorder, returned, to_host, gradient_params)
+    return hook, inputs
 
 
 def _static_batch_size(batch: Any) -> int | None:

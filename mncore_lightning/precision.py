@@ -16,12 +16,22 @@ from lightning.pytorch.trainer import call
 
 
 class MNCorePrecision(Precision):
-    """32-bit training where backward and the optimizer step are part of the compiled graph."""
+    """32-bit training where backward and the optimizer step are part of the compiled graph.
+
+    When a gradient hook is overridden, the compiled step also returns the gradients, and the
+    parameters hold them (`p.grad`) while `on_after_backward` and `on_before_optimizer_step` run.
+    """
 
     precision = "32-true"
 
     def backward(self, tensor: Any, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:
-        """No-op: the gradients were computed inside the compiled step."""
+        """The gradients were computed inside the compiled step: hand them to the params."""
+        model.trainer.strategy.install_gradients()
+
+    def post_backward(self, tensor: Any, module: Any) -> Any:
+        result = super().post_backward(tensor, module)  # on_after_backward hooks
+        module.trainer.strategy.check_gradients_untouched("on_after_backward")
+        return result
 
     def optimizer_step(
         self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any
@@ -31,4 +41,5 @@ class MNCorePrecision(Precision):
         trainer = model.trainer
         call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
         call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
+        trainer.strategy.check_gradients_untouched("on_before_optimizer_step")
         return result

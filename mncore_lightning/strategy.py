@@ -10,7 +10,6 @@ are refreshed from the device before checkpoints, at the end of fit and on teard
 
 from __future__ import annotations
 
-import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from mncore_device import (
     CacheOptions,
     Context,
     MNDevice,
+    get_tensor_name,
     resolve_backend,
     set_buffer_name_in_optimizer,
     set_tensor_name_in_module,
@@ -37,7 +37,9 @@ from .accelerator import MNCoreAccelerator
 from .compiled_hooks import BatchLayout, CompiledHook, compile_hook
 from .data import with_drop_last
 from .device_selection import resolve_device, resolve_preset
+from .host_sync import GRADIENT_HOOKS, HostSync, HostVersions, overridden_hooks
 from .optimizers import device_optimizer
+from .optimizers._convert import track_step_calls
 from .precision import MNCorePrecision
 
 _EVAL_HOOKS = ("validation_step", "test_step", "predict_step")
@@ -86,6 +88,8 @@ class MNCoreStrategy(SingleDeviceStrategy):
         self._train_hook: CompiledHook | None = None
         self._eval_hooks: dict[str, list[CompiledHook]] = {}  # by stage
         self._device_is_newer = False
+        self._host_sync: HostSync | None = None
+        self._gradients: list[tuple[torch.nn.Parameter, torch.Tensor, int]] = []
         self.compiled_calls = 0
 
     # --- the accelerator and the precision plugin are ours -----------------------------------
@@ -159,10 +163,10 @@ class MNCoreStrategy(SingleDeviceStrategy):
             )
         converted = [device_optimizer(self.context, opt) for opt in self.optimizers]
         for old, new in zip(self.optimizers, converted, strict=True):
-            if new is not old:
+            if new is not old:  # MLSDK's own optimizer: the schedulers must drive it
                 for config in self.lr_scheduler_configs:
                     _repoint_scheduler(config.scheduler, old, new)
-        self.optimizers = converted
+        self.optimizers = converted  # also rewraps them as LightningOptimizers
 
     def _register_state(self) -> None:
         """Name and register the module's parameters and buffers and the optimizers' state."""
@@ -178,6 +182,12 @@ class MNCoreStrategy(SingleDeviceStrategy):
         self._train_hook = None
         self._eval_hooks = {}
         self._device_is_newer = False
+        self._host_versions = HostVersions(list(self.context.registered_tensors().values()))
+        trainer = module.trainer
+        self._user_hooks = overridden_hooks(module, trainer.callbacks)
+        self._host_sync = HostSync(self, self._user_hooks)
+        trainer.callbacks.insert(0, self._host_sync)
+        self._gradients: list[tuple[torch.nn.Parameter, torch.Tensor, int]] = []
 
     # --- steps ---------------------------------------------------------------------------------
 
@@ -192,12 +202,14 @@ class MNCoreStrategy(SingleDeviceStrategy):
                     "the training step"
                 )
             trainer = module.trainer
+            self._push_host_edits()
             self._train_hook, inputs = self._compile(
                 "training_step",
                 batch,
                 rest,
                 optimizer=optimizer,
                 gradient_clipping=(trainer.gradient_clip_val, trainer.gradient_clip_algorithm),
+                return_gradients=bool(self._user_hooks.intersection(GRADIENT_HOOKS)),
             )
         else:
             layout, inputs = BatchLayout.of(batch)
@@ -206,8 +218,10 @@ class MNCoreStrategy(SingleDeviceStrategy):
                     "the training batch changed structure after the step was compiled "
                     f"(compiled for {self._train_hook.layout.spec}, got {layout.spec})"
                 )
+            self._push_host_edits()
         result = self._train_hook(module, inputs)
         self._device_is_newer = True
+        self._gradients = self._train_hook.gradients
         self.compiled_calls += 1
         return result
 
@@ -230,29 +244,37 @@ class MNCoreStrategy(SingleDeviceStrategy):
             if hook.layout == layout and _matches(hook, inputs):
                 break
         else:
+            self._push_host_edits()
             hook, inputs = self._compile(hook_name, batch, rest, optimizer=None)
             hooks.append(hook)
+        self._push_host_edits()
         self.compiled_calls += 1
         return hook(self.lightning_module, inputs)
 
     def _compile(self, hook_name: str, batch: Any, rest: tuple, **kwargs: Any):
+        """Trace and compile one hook. Tracing restores the host tensors it ran on, which
+        bumps their versions: host edits are pushed before it, and the versions recorded
+        after it."""
         codegen_dir = None
         if self.codegen_dir is not None:
             stage = self._stage()
             count = len(self._eval_hooks.get(stage, []))
             codegen_dir = self.codegen_dir / f"{stage}_{count}"
-        return compile_hook(
-            self.context,
-            self.lightning_module,
-            hook_name,
-            batch,
-            rest,
-            options={"option_json": self.preset},
-            codegen_dir=codegen_dir,
-            cache_options=self.cache_options,
-            to_host=self._to_host,
-            **kwargs,
-        )
+        try:
+            return compile_hook(
+                self.context,
+                self.lightning_module,
+                hook_name,
+                batch,
+                rest,
+                options={"option_json": self.preset},
+                codegen_dir=codegen_dir,
+                cache_options=self.cache_options,
+                to_host=self._to_host,
+                **kwargs,
+            )
+        finally:
+            self._host_versions.record()
 
     def _stage(self) -> str:
         stage = self.lightning_module.trainer.state.stage
@@ -277,6 +299,43 @@ class MNCoreStrategy(SingleDeviceStrategy):
         if self.context is not None and self._device_is_newer:
             self.context.synchronize()
             self._device_is_newer = False
+            self._host_versions.record()
+
+    def _push_host_edits(self) -> None:
+        """Before a compiled call: registered host tensors changed since host and device last
+        agreed (in place, by `.data =`, by load_state_dict) are pushed to the device."""
+        changed = self._host_versions.changed()
+        if not changed:
+            return
+        if self._device_is_newer:
+            name = get_tensor_name(changed[0])
+            raise MisconfigurationException(
+                f"the host value of {name} was changed while the MN-Core device held newer "
+                "weights (outside the hooks before which MNCoreStrategy refreshes the host), so "
+                "the change would be lost. Change weights in a LightningModule or Callback hook "
+                "such as on_train_batch_end or on_train_epoch_end."
+            )
+        self.context.load_from_host(changed)
+        self._host_versions.record()
+
+    def install_gradients(self) -> None:
+        """Give each parameter the gradient the last compiled step computed (p.grad), for the
+        gradient hooks (on_after_backward, on_before_optimizer_step)."""
+        for param, grad, _ in self._gradients:
+            param.grad = grad
+        self._gradients = [(p, g, g._version) for p, g, _ in self._gradients]
+
+    def check_gradients_untouched(self, hook: str) -> None:
+        """A gradient hook may read p.grad but not change it: the update already ran."""
+        for param, grad, version in self._gradients:
+            if param.grad is not grad or grad._version != version:
+                name = get_tensor_name(param) or list(param.shape)
+                raise MisconfigurationException(
+                    f"{hook} changed the gradient of {name}, but under MNCoreStrategy the "
+                    "optimizer update already ran inside the compiled step, so the change "
+                    "would be ignored. Read gradients in this hook; to change them, do it "
+                    "inside training_step or configure_gradient_clipping (traced into the step)."
+                )
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         self.synchronize()
@@ -286,25 +345,15 @@ class MNCoreStrategy(SingleDeviceStrategy):
         self.synchronize()
         return super().optimizer_state(optimizer)
 
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        super().load_model_state_dict(checkpoint, strict=strict)
-        if self.context is not None:
-            module = self.lightning_module
-            self.context.load_from_host([*module.parameters(), *module.buffers()])
-
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        super().load_optimizer_state_dict(checkpoint)
-        if self.context is not None:
-            for optimizer in self.optimizers:
-                state = [v for s in optimizer.state.values() for v in s.values()]
-                self.context.load_from_host([t for t in state if isinstance(t, torch.Tensor)])
-
     def on_exception(self, exception: BaseException) -> None:
         self.synchronize()
         super().on_exception(exception)
 
     def teardown(self) -> None:
         self.synchronize()
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and self._host_sync in trainer.callbacks:
+            trainer.callbacks.remove(self._host_sync)
         self.context = None
         self._train_hook = None
         self._eval_hooks = {}
@@ -341,25 +390,9 @@ def _repoint_scheduler(scheduler: Any, old: Any, new: Any) -> None:
     """Make a scheduler (and the schedulers it chains) drive the converted optimizer."""
     if getattr(scheduler, "optimizer", None) is old:
         scheduler.optimizer = new
-        _track_step_calls(new)
+        track_step_calls(new)
     for child in getattr(scheduler, "_schedulers", ()):  # SequentialLR, ChainedScheduler
         _repoint_scheduler(child, old, new)
-
-
-def _track_step_calls(optimizer: Any) -> None:
-    """What torch's LRScheduler does to the optimizer it was built with: mark step() calls,
-    so that it does not warn that step() was overridden or skipped."""
-    step = optimizer.step
-    if hasattr(step, "_wrapped_by_lr_sched"):
-        return
-
-    @functools.wraps(step)
-    def tracked_step(*args: Any, **kwargs: Any) -> Any:
-        optimizer._opt_called = True
-        return step(*args, **kwargs)
-
-    tracked_step._wrapped_by_lr_sched = True
-    optimizer.step = tracked_step
 
 
 def _matches(hook: CompiledHook, inputs: dict[str, torch.Tensor]) -> bool:

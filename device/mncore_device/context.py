@@ -188,6 +188,10 @@ class Context(ABC):
     def registered_names(self) -> list[str]:
         return list(self._registered)
 
+    def registered_tensors(self) -> dict[str, torch.Tensor]:
+        """The registered host tensors, by name."""
+        return dict(self._registered)
+
     @abstractmethod
     def device_values(self) -> list[torch.Tensor]:
         """The registered tensors as the device holds them (for memory accounting)."""

@@ -6,6 +6,7 @@ optimizer replaces a torch.optim one on each backend is decided here, in one tab
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Mapping
 from types import MappingProxyType, ModuleType
@@ -96,15 +97,75 @@ _MLSDK_FAMILIES: Mapping[type[Optimizer], tuple[str, tuple[str, ...], tuple[str,
 _TORCH_OF = {ours: theirs for theirs, ours in TORCH_EQUIVALENTS.items()}
 
 
-def device_optimizer(context: Context, optimizer: Optimizer) -> Optimizer:
-    """The optimizer that `context` runs in place of `optimizer`.
+def convert_in_place(optimizer: Optimizer) -> Optimizer:
+    """Make a torch.optim SGD, Adam or AdamW compute as its MN-Core equivalent, in place.
 
-    On the emulator, the MN-Core equivalent (`from_torch`); on MLSDK, MLSDK's own optimizer
-    (`to_mlsdk_optimizer`). Scripts that call it run unchanged on both backends.
+    The object stays the user's: every reference to it (a scheduler the module keeps, a
+    callback), `isinstance(optimizer, torch.optim.SGD)` and its class name (which
+    LearningRateMonitor puts in its keys) are what they were. Its class becomes a subclass of
+    both (`SGD(MNCoreSGD, torch.optim.SGD)`, named as the original), and its param groups and
+    state become those `from_torch` builds. An MN-Core optimizer is returned as is.
+    """
+    if isinstance(optimizer, MNCoreOptimizer):
+        return optimizer
+    converted = from_torch(optimizer)  # validates, and builds the groups and the eager state
+    original = type(optimizer)
+    scheduler_step = optimizer.__dict__.pop("step", None)  # an LR scheduler's wrapper of torch's
+    optimizer.__class__ = _in_place_class(original, type(converted))
+    optimizer.defaults = converted.defaults
+    optimizer.param_groups = converted.param_groups
+    optimizer.state = converted.state
+    optimizer._patch_step_function()
+    if getattr(scheduler_step, "_wrapped_by_lr_sched", False):
+        track_step_calls(optimizer)  # the scheduler's wrapper called torch's step: wrap ours
+    return optimizer
+
+
+_IN_PLACE_CLASSES: dict[type[Optimizer], type[Optimizer]] = {}
+
+
+def _in_place_class(original: type[Optimizer], ours: type[MNCoreOptimizer]) -> type[Optimizer]:
+    """`class SGD(MNCoreSGD, torch.optim.SGD)`: our step and state, torch's name and type."""
+    if original not in _IN_PLACE_CLASSES:
+        _IN_PLACE_CLASSES[original] = type(
+            original.__name__,
+            (ours, original),
+            {
+                "__module__": __name__,
+                "__qualname__": original.__qualname__,
+                "__doc__": ours.__doc__,
+            },
+        )
+    return _IN_PLACE_CLASSES[original]
+
+
+def track_step_calls(optimizer: Optimizer) -> None:
+    """What torch's LRScheduler does to its optimizer's step(): mark calls, so that it does not
+    warn that step() was overridden or skipped."""
+    step = optimizer.step
+    if hasattr(step, "_wrapped_by_lr_sched"):
+        return
+
+    @functools.wraps(step)
+    def tracked_step(*args: Any, **kwargs: Any) -> Any:
+        optimizer._opt_called = True
+        return step(*args, **kwargs)
+
+    tracked_step._wrapped_by_lr_sched = True
+    optimizer.step = tracked_step
+
+
+def device_optimizer(context: Context, optimizer: Optimizer) -> Optimizer:
+    """The optimizer that `context` runs for `optimizer`.
+
+    On the emulator, `optimizer` itself, converted in place to compute as its MN-Core
+    equivalent (`convert_in_place`); on MLSDK, MLSDK's own optimizer (`to_mlsdk_optimizer`:
+    a new object, since MLSDK's classes are its own). Scripts that call it run unchanged on
+    both backends.
     """
     if context.backend is Backend.MLSDK:
         return to_mlsdk_optimizer(optimizer, context.sdk)
-    return from_torch(optimizer)
+    return convert_in_place(optimizer)
 
 
 def to_mlsdk_optimizer(optimizer: Optimizer, sdk: ModuleType | None = None) -> Optimizer:

@@ -366,7 +366,11 @@ class CompiledFunction:
                     else value._value()
                 )
             arguments[key] = value
-        record_event("CompiledFunction.__call__", inputs=sorted(inputs))
+        record_event(
+            "CompiledFunction.__call__",
+            inputs=sorted(inputs),
+            updates_state=bool(self._emulated.updated_state_names),
+        )
         device = self._context.device.device_str
         outputs = self._emulated(arguments)
         return {key: TensorProxy(f"output/{key}", value, device) for key, value in outputs.items()}
