@@ -77,7 +77,8 @@ class MNCoreStrategy(SingleDeviceStrategy):
             device=torch.device("cpu"),
             accelerator=accelerator,
             checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin or MNCorePrecision(),
+            # None: the Trainer's precision flag decides, through the setter below
+            precision_plugin=precision_plugin,
         )
         self.mncore_device = MNDevice(resolve_device(device))
         self.backend = resolve_backend(self.mncore_device, backend)
@@ -110,13 +111,18 @@ class MNCoreStrategy(SingleDeviceStrategy):
 
     @property
     def precision_plugin(self) -> Precision:
+        if self._precision_plugin is None:
+            self._precision_plugin = MNCorePrecision()
         return self._precision_plugin
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Precision | None) -> None:
         # Lightning's connector assigns its own choice here; a plain 32-bit Precision is what
         # MNCorePrecision already is, anything else would silently change the step.
-        if plugin is None or type(plugin) is Precision:
+        if plugin is None:
+            self._precision_plugin = getattr(self, "_precision_plugin", None)
+            return
+        if type(plugin) is Precision:
             plugin = getattr(self, "_precision_plugin", None) or MNCorePrecision()
         elif not isinstance(plugin, MNCorePrecision):
             raise MisconfigurationException(

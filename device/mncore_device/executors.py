@@ -81,21 +81,48 @@ def _inductor_cache_dir(cache_dir: Path | None):
 
 
 class _FiniteCheckingInterpreter(fx.Interpreter):
-    """The debug preset: run op by op and stop at the first op that makes NaN or inf."""
+    """The debug preset: run op by op; NaN anywhere stops the step at the op that made it.
+
+    Infinities are legitimate inside a step (a `-inf` attention mask that softmax turns into
+    zeros), so inf is reported only where it reaches the step's results: its outputs and the
+    new values of its state (the update, and so the gradients behind it). The report names
+    the op where that inf first appeared, following inf-carrying inputs back from the result.
+    """
+
+    def run(self, *args, **kwargs):
+        self._inf_nodes: set[fx.Node] = set()
+        return super().run(*args, **kwargs)
 
     def run_node(self, node: fx.Node):
         result = super().run_node(node)
         if node.op == "call_function":
             for value in result if isinstance(result, (tuple, list)) else (result,):
-                if (
-                    isinstance(value, torch.Tensor)
-                    and value.is_floating_point()
-                    and not torch.isfinite(value).all()
-                ):
-                    kind = "NaN" if torch.isnan(value).any() else "inf"
-                    where = user_frame_from_stack_trace(node.meta.get("stack_trace"))
-                    raise NonFiniteError(
-                        f"debug preset: op {node.target} (graph node '{node.name}') produced "
-                        f"{kind} first" + (f", from {where}" if where else "")
-                    )
+                if not (isinstance(value, torch.Tensor) and value.is_floating_point()):
+                    continue
+                if torch.isfinite(value).all():
+                    continue
+                if torch.isnan(value).any():
+                    raise NonFiniteError(_message(node, "NaN"))
+                self._inf_nodes.add(node)
+        elif node.op == "output":
+            for value_node in node.all_input_nodes:
+                if value_node in self._inf_nodes:
+                    raise NonFiniteError(_message(self._origin(value_node), "inf"))
         return result
+
+    def _origin(self, node: fx.Node) -> fx.Node:
+        """The first op on an inf-carrying path into `node`."""
+        while True:
+            inputs = [n for n in node.all_input_nodes if n in self._inf_nodes]
+            if not inputs:
+                return node
+            node = inputs[0]
+
+
+def _message(node: fx.Node, kind: str) -> str:
+    where = user_frame_from_stack_trace(node.meta.get("stack_trace"))
+    return (
+        f"debug preset: op {node.target} (graph node '{node.name}') produced {kind} first"
+        + (f", from {where}" if where else "")
+        + (" and it reaches the step's outputs or state" if kind == "inf" else "")
+    )

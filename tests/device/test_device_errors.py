@@ -238,3 +238,55 @@ def test_pfvm_cpu():
     device = MNDevice("pfvm:cpu")
     assert device.is_emulated and str(device) == "pfvm:cpu"
     assert device.torch_device == torch.device("cpu")
+
+
+class _MaskedAttention(nn.Module):
+    """Scores with a -inf causal mask: softmax turns the masked entries into zeros."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(4, 4)
+
+    def forward(self, x):
+        scores = self.q(x) @ x.transpose(-1, -2)
+        mask = torch.full(scores.shape[-2:], float("-inf")).triu(1)
+        return (torch.softmax(scores + mask, dim=-1) @ x).sum(-1)
+
+
+def test_debug_preset_accepts_a_minus_inf_mask_that_softmax_removes(context):
+    model = _MaskedAttention()
+    reference = twin(model)
+    optimizer = make_sgd(model.parameters(), 0.1, 0.9)
+    register(context, model, optimizer)
+    batches = [{"x": torch.randn(2, 5, 4)} for _ in range(3)]
+    step = training_step(model, optimizer, lambda m, b: m(b["x"]).pow(2).mean())
+    compiled = context.compile(step, batches[0], options={"option_json": "debug"})
+    losses = device_train(compiled, batches)
+    expected = eager_train(
+        reference,
+        make_sgd(reference.parameters(), 0.1, 0.9),
+        lambda m, b: m(b["x"]).pow(2).mean(),
+        batches,
+    )
+    torch.testing.assert_close(losses, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_debug_preset_names_the_op_whose_inf_reaches_the_outputs(context):
+    model = nn.Linear(4, 2)
+    optimizer = make_sgd(model.parameters(), 0.1, 0.9)
+    register(context, model, optimizer)
+
+    def step(batch):
+        optimizer.zero_grad()
+        loss = model(batch["x"]).mean()
+        loss.backward()
+        optimizer.step()
+        return {"loss": loss, "big": torch.exp(batch["x"] * 1e3).sum()}  # inf, returned
+
+    batch = {"x": torch.ones(3, 4)}
+    compiled = context.compile(step, batch, options={"option_json": "debug"})
+    with pytest.raises(NonFiniteError) as info:
+        compiled(batch)
+    message = str(info.value)
+    assert "aten.exp" in message and "inf" in message
+    assert f"{HERE}:{line_of(step, 'torch.exp(')}" in message

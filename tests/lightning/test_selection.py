@@ -277,3 +277,16 @@ def test_installed_lightning_within_pinned_range():
     pin = next(r.strip() for r in requires if r.strip().startswith("lightning"))
     spec = SpecifierSet(pin.removeprefix("lightning"))
     assert Version(lightning.__version__) in spec, (lightning.__version__, pin)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed", "bf16-true"])
+def test_other_precision_with_an_explicit_strategy_raises(precision):
+    # as clearly as with accelerator="mncore" alone: never a silent fp32 run
+    with pytest.raises(MisconfigurationException, match=r"supports precision='32-true' only"):
+        _trainer(accelerator="mncore", strategy=MNCoreStrategy(), precision=precision)
+
+
+def test_32bit_precision_with_an_explicit_strategy_keeps_mncore_precision():
+    trainer = _trainer(accelerator="mncore", strategy=MNCoreStrategy(), precision="32-true")
+    assert isinstance(trainer.precision_plugin, MNCorePrecision)
+    assert trainer.strategy.precision_plugin is trainer.precision_plugin
