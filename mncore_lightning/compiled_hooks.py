@@ -239,7 +239,9 @@ def compile_hook(
                     gradient_params[f"{GRAD_PREFIX}{index}"] = param
         # As Lightning: the hook is always called; its default clips only if asked to.
         clip_val, clip_algorithm = gradient_clipping
-        module.configure_gradient_clipping(optimizer, clip_val, clip_algorithm)
+        module.configure_gradient_clipping(
+            optimizer, gradient_clip_val=clip_val, gradient_clip_algorithm=clip_algorithm
+        )
         optimizer.step()
         return {**recorder.tensors, **returned.capture(output), **gradients}
 

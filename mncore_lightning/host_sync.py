@@ -76,6 +76,7 @@ class HostSync(Callback):
     def _before(self, hook: str) -> None:
         if hook in self.hooks:
             self.strategy.synchronize()
+            self.strategy.user_hook_ran = True
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self.strategy.synchronize()

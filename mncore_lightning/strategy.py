@@ -10,6 +10,7 @@ are refreshed from the device before checkpoints, at the end of fit and on teard
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ from .optimizers._convert import track_step_calls
 from .precision import MNCorePrecision
 
 _EVAL_HOOKS = ("validation_step", "test_step", "predict_step")
+log = logging.getLogger(__name__)
 
 
 class MNCoreStrategy(SingleDeviceStrategy):
@@ -90,6 +92,9 @@ class MNCoreStrategy(SingleDeviceStrategy):
         self._eval_hooks: dict[str, list[CompiledHook]] = {}  # by stage
         self._device_is_newer = False
         self._host_sync: HostSync | None = None
+        self._user_hooks: set[str] = set()
+        self.user_hook_ran = False  # set by HostSync: the module's structure may have changed
+        self.retraces = 0
         self._gradients: list[tuple[torch.nn.Parameter, torch.Tensor, int]] = []
         self.compiled_calls = 0
 
@@ -189,17 +194,34 @@ class MNCoreStrategy(SingleDeviceStrategy):
         self._eval_hooks = {}
         self._device_is_newer = False
         self._host_versions = HostVersions(list(self.context.registered_tensors().values()))
+        self._structure = _structure_of(module)
         trainer = module.trainer
-        self._user_hooks = overridden_hooks(module, trainer.callbacks)
-        self._host_sync = HostSync(self, self._user_hooks)
-        trainer.callbacks.insert(0, self._host_sync)
+        if self._host_sync not in trainer.callbacks:
+            self._user_hooks = overridden_hooks(module, trainer.callbacks)
+            self._host_sync = HostSync(self, self._user_hooks)
+            trainer.callbacks.insert(0, self._host_sync)
         self._gradients: list[tuple[torch.nn.Parameter, torch.Tensor, int]] = []
+
+    def _check_structure(self) -> None:
+        """After a user hook ran: a module whose structure changed (pruning's parameters and
+        masks, parametrizations, hooks added) is registered again and its steps re-traced."""
+        structure = _structure_of(self.lightning_module)
+        if structure == self._structure:
+            return
+        before, after = self._structure, structure
+        self.synchronize()
+        self.context = Context(self.mncore_device, self.backend)
+        Context.switch_context(self.context)
+        self._register_state()
+        self.retraces += 1
+        log.info("MN-Core: re-tracing the compiled steps: %s", _describe_change(before, after))
 
     # --- steps ---------------------------------------------------------------------------------
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch, rest = args[0], args[1:]
         module = self.lightning_module
+        self._push_host_edits()  # may re-register a module whose structure changed
         if self._train_hook is None:
             optimizer = self.optimizers[0] if self.optimizers else None
             if optimizer is None:
@@ -208,7 +230,6 @@ class MNCoreStrategy(SingleDeviceStrategy):
                     "the training step"
                 )
             trainer = module.trainer
-            self._push_host_edits()
             self._train_hook, inputs = self._compile(
                 "training_step",
                 batch,
@@ -224,7 +245,6 @@ class MNCoreStrategy(SingleDeviceStrategy):
                     "the training batch changed structure after the step was compiled "
                     f"(compiled for {self._train_hook.layout.spec}, got {layout.spec})"
                 )
-            self._push_host_edits()
         result = self._train_hook(module, inputs)
         self._device_is_newer = True
         self._gradients = self._train_hook.gradients
@@ -244,16 +264,15 @@ class MNCoreStrategy(SingleDeviceStrategy):
         """Each stage (sanity check, validate, test, predict) has its own compiled functions:
         one per batch shape, so a ragged last batch costs one more compile."""
         batch, rest = args[0], args[1:]
+        self._push_host_edits()  # an EMA or SWA swap, say: evaluate the weights the host holds
         layout, inputs = BatchLayout.of(batch)
         hooks = self._eval_hooks.setdefault(self._stage(), [])
         for hook in hooks:
             if hook.layout == layout and _matches(hook, inputs):
                 break
         else:
-            self._push_host_edits()
             hook, inputs = self._compile(hook_name, batch, rest, optimizer=None)
             hooks.append(hook)
-        self._push_host_edits()
         self.compiled_calls += 1
         return hook(self.lightning_module, inputs)
 
@@ -309,7 +328,18 @@ class MNCoreStrategy(SingleDeviceStrategy):
 
     def _push_host_edits(self) -> None:
         """Before a compiled call: registered host tensors changed since host and device last
-        agreed (in place, by `.data =`, by load_state_dict) are pushed to the device."""
+        agreed (in place, by `.data =`, by load_state_dict, in a user hook) are pushed to the
+        device."""
+        if self.user_hook_ran:
+            # The host was refreshed before the hook, so it holds the device's values plus the
+            # hook's edits, some of which no version counter sees (`p.data.copy_(x)`, as
+            # weight-averaging callbacks swap weights): push all of it.
+            self.user_hook_ran = False
+            self._check_structure()
+            if not self._device_is_newer:
+                self.context.load_from_host()
+                self._host_versions.record()
+                return
         changed = self._host_versions.changed()
         if not changed:
             return
@@ -379,6 +409,7 @@ class MNCoreStrategy(SingleDeviceStrategy):
             "mncore/compiled_functions": float(len(hooks)),
             "mncore/compiled_calls": float(self.compiled_calls),
             "mncore/compile_seconds": float(sum(h.compiled.compile_seconds for h in hooks)),
+            "mncore/retraces": float(self.retraces),
         }
 
     def __repr__(self) -> str:
@@ -406,3 +437,24 @@ def _matches(hook: CompiledHook, inputs: dict[str, torch.Tensor]) -> bool:
     return all(
         specs[k].shape == tuple(v.shape) and specs[k].dtype == v.dtype for k, v in inputs.items()
     )
+
+
+def _structure_of(module: torch.nn.Module) -> tuple:
+    """What a traced step depends on in a module's structure: which tensors are its
+    parameters and buffers, under which names, and how many forward hooks it has."""
+    tensors = tuple((n, id(t)) for n, t in module.named_parameters())
+    tensors += tuple((n, id(t)) for n, t in module.named_buffers())
+    hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in module.modules())
+    return tensors, hooks
+
+
+def _describe_change(before: tuple, after: tuple) -> str:
+    old, new = dict(before[0]), dict(after[0])
+    parts = []
+    if set(new) - set(old):
+        parts.append("tensors added: " + ", ".join(sorted(set(new) - set(old))))
+    if set(old) - set(new):
+        parts.append("tensors removed: " + ", ".join(sorted(set(old) - set(new))))
+    if before[1] != after[1]:
+        parts.append(f"forward hooks {before[1]} -> {after[1]}")
+    return "; ".join(parts) or "tensors replaced"
