@@ -25,6 +25,8 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from mncore_device import CompiledFunction, Context, StaticGraphError
 from mncore_device._source import user_frame
 
+from .carried_state import CarriedState
+
 LOG_PREFIX = "log/"
 OUTPUT_PREFIX = "out/"
 BATCH_PREFIX = "batch/"
@@ -173,8 +175,10 @@ class CompiledHook:
         returned: _Returned,
         to_host: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
         gradient_params: dict[str, torch.Tensor],
+        carried: CarriedState,
     ) -> None:
         self.compiled = compiled
+        self.carried = carried
         self.layout = layout
         self.recorder = recorder
         self.returned = returned
@@ -184,7 +188,10 @@ class CompiledHook:
         self.gradients: list[tuple[torch.Tensor, torch.Tensor, int]] = []
 
     def __call__(self, module: Any, inputs: dict[str, torch.Tensor]) -> Any:
+        if self.carried.slots:
+            inputs = {**inputs, **self.carried.inputs()}
         outputs = self.to_host(self.compiled(inputs))
+        self.carried.replay(outputs)
         self.recorder.replay(module, outputs)
         if self.gradient_params:
             self.gradients = [(p, outputs[k], 0) for k, p in self.gradient_params.items()]
@@ -218,14 +225,16 @@ def compile_hook(
     recorder = LogRecorder(_static_batch_size(batch))
     returned = _Returned()
     gradient_params: dict[str, torch.Tensor] = {}
+    carried = CarriedState(module)
     hook = getattr(module, hook_name)
 
     def step(graph_inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         batch = layout.rebuild(graph_inputs)
+        carried.bind(graph_inputs)
         if optimizer is None:
             with torch.no_grad(), recording_logs(module, recorder):
                 output = hook(batch, *extra_args)
-            return {**recorder.tensors, **returned.capture(output)}
+            return {**recorder.tensors, **returned.capture(output), **carried.capture()}
         optimizer.zero_grad(set_to_none=True)
         with recording_logs(module, recorder):
             output = hook(batch, *extra_args)
@@ -243,13 +252,20 @@ def compile_hook(
             optimizer, gradient_clip_val=clip_val, gradient_clip_algorithm=clip_algorithm
         )
         optimizer.step()
-        return {**recorder.tensors, **returned.capture(output), **gradients}
+        return {**recorder.tensors, **returned.capture(output), **gradients, **carried.capture()}
 
-    with torch.inference_mode(False):
-        compiled = context.compile(
-            step, inputs, codegen_dir, options=dict(options), cache_options=cache_options
-        )
-    hook = CompiledHook(compiled, layout, recorder, returned, to_host, gradient_params)
+    try:
+        with torch.inference_mode(False):
+            compiled = context.compile(
+                step,
+                {**inputs, **carried.inputs()},
+                codegen_dir,
+                options=dict(options),
+                cache_options=cache_options,
+            )
+    finally:
+        carried.restore()
+    hook = CompiledHook(compiled, layout, recorder, returned, to_host, gradient_params, carried)
     return hook, inputs
 
 

@@ -35,6 +35,7 @@ from mncore_device import (
 )
 
 from .accelerator import MNCoreAccelerator
+from .carried_state import signature as carried_signature
 from .compiled_hooks import BatchLayout, CompiledHook, compile_hook
 from .data import with_drop_last
 from .device_selection import resolve_device, resolve_preset
@@ -60,6 +61,9 @@ class MNCoreStrategy(SingleDeviceStrategy):
         backend: "mlsdk" or "emulator"; default: the device string decides ("mncore2:*" runs
             on PFN's MLSDK, "pfvm:*" on the emulator). backend="mlsdk" runs "pfvm:*" on
             MLSDK's own virtual machine.
+        max_retraces: how often a stage's steps may be traced again because something they
+            were traced for changed (module structure, carried tensors); past it, an error
+            names what keeps changing.
     """
 
     strategy_name = "mncore"
@@ -74,6 +78,7 @@ class MNCoreStrategy(SingleDeviceStrategy):
         checkpoint_io: Any = None,
         precision_plugin: Precision | None = None,
         backend: str | None = None,
+        max_retraces: int = 8,
     ) -> None:
         super().__init__(
             device=torch.device("cpu"),
@@ -94,7 +99,9 @@ class MNCoreStrategy(SingleDeviceStrategy):
         self._host_sync: HostSync | None = None
         self._user_hooks: set[str] = set()
         self.user_hook_ran = False  # set by HostSync: the module's structure may have changed
+        self.max_retraces = max_retraces
         self.retraces = 0
+        self._retraces_by_stage: dict[str, int] = {}
         self._gradients: list[tuple[torch.nn.Parameter, torch.Tensor, int]] = []
         self.compiled_calls = 0
 
@@ -213,8 +220,22 @@ class MNCoreStrategy(SingleDeviceStrategy):
         self.context = Context(self.mncore_device, self.backend)
         Context.switch_context(self.context)
         self._register_state()
+        self._retrace("the compiled steps", _describe_change(before, after))
+
+    def _retrace(self, what: str, reason: str) -> None:
+        """Count and report one re-trace; past `max_retraces` in a stage, refuse."""
+        stage = self._stage()
+        count = self._retraces_by_stage.get(stage, 0) + 1
+        if count > self.max_retraces:
+            raise MisconfigurationException(
+                f"MNCoreStrategy traced {what} again {self.max_retraces} times in the {stage} "
+                f"stage, and it changed once more: {reason}. A compiled step is traced for "
+                "fixed module structure and carried tensors; keep them fixed between steps, or "
+                "raise MNCoreStrategy(max_retraces=...)."
+            )
+        self._retraces_by_stage[stage] = count
         self.retraces += 1
-        log.info("MN-Core: re-tracing the compiled steps: %s", _describe_change(before, after))
+        rank_zero_info(f"MN-Core: re-tracing {what}: {reason}")
 
     # --- steps ---------------------------------------------------------------------------------
 
@@ -222,6 +243,11 @@ class MNCoreStrategy(SingleDeviceStrategy):
         batch, rest = args[0], args[1:]
         module = self.lightning_module
         self._push_host_edits()  # may re-register a module whose structure changed
+        if self._train_hook is not None:
+            change = _carried_change(self._train_hook.carried.signature, module)
+            if change:
+                self._retrace("training_step", change)
+                self._train_hook = None
         if self._train_hook is None:
             optimizer = self.optimizers[0] if self.optimizers else None
             if optimizer is None:
@@ -267,8 +293,13 @@ class MNCoreStrategy(SingleDeviceStrategy):
         self._push_host_edits()  # an EMA or SWA swap, say: evaluate the weights the host holds
         layout, inputs = BatchLayout.of(batch)
         hooks = self._eval_hooks.setdefault(self._stage(), [])
+        carried = carried_signature(self.lightning_module)
         for hook in hooks:
-            if hook.layout == layout and _matches(hook, inputs):
+            if (
+                hook.layout == layout
+                and hook.carried.signature == carried
+                and _matches(hook, inputs)
+            ):
                 break
         else:
             hook, inputs = self._compile(hook_name, batch, rest, optimizer=None)
@@ -458,3 +489,20 @@ def _describe_change(before: tuple, after: tuple) -> str:
     if before[1] != after[1]:
         parts.append(f"forward hooks {before[1]} -> {after[1]}")
     return "; ".join(parts) or "tensors replaced"
+
+
+def _carried_change(traced_for: tuple, module: torch.nn.Module) -> str | None:
+    """How the module's carried tensors differ from those a step was traced for, if they do."""
+    now = carried_signature(module)
+    if now == traced_for:
+        return None
+    old = {key: spec for key, *spec in traced_for}
+    new = {key: spec for key, *spec in now}
+    parts = [f"{key} appeared" for key in new if key not in old]
+    parts += [f"{key} is no longer a tensor" for key in old if key not in new]
+    parts += [
+        f"{key} changed from {list(old[key][0])} {old[key][1]} to {list(new[key][0])} {new[key][1]}"
+        for key in new
+        if key in old and old[key] != new[key]
+    ]
+    return "carried tensors changed: " + "; ".join(parts)

@@ -153,11 +153,6 @@ def test_ema_weight_averaging_validates_and_ends_with_the_average():
         )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap: ModelPruning re-registers and re-traces (the first pruned epoch matches "
-    "cpu) but after the second pruning the losses drift from cpu; not yet understood",
-)
 def test_model_pruning_retraces_and_matches_cpu():
     (_, cpu, _), (mn_trainer, mn, _) = _both(
         callbacks=lambda: [ModelPruning("l1_unstructured", amount=0.3)], max_epochs=3
