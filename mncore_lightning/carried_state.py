@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 CARRY_PREFIX = "carry/"
 
@@ -26,24 +27,38 @@ CARRY_PREFIX = "carry/"
 _NOT_CARRIED = frozenset({"_example_input_array"})
 
 
+def _tensor_tree(value: Any) -> tuple[list[torch.Tensor], TreeSpec] | None:
+    """A tensor, or a tuple/list/dict of tensors (an LSTM's (h, c)): its leaves and spec."""
+    if isinstance(value, torch.nn.Parameter) or not isinstance(
+        value, (torch.Tensor, tuple, list, dict)
+    ):
+        return None
+    leaves, spec = tree_flatten(value)
+    if not leaves or not all(
+        isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter) for t in leaves
+    ):
+        return None
+    return leaves, spec
+
+
 def tensor_attributes(root: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, str, Any]]:
-    """`{key: (module, attribute, value)}` for every plain tensor attribute under `root`."""
+    """`{key: (module, attribute, value)}` for every plain attribute under `root` that holds a
+    tensor or a small container of tensors (not a parameter or a buffer)."""
     found = {}
     for path, module in root.named_modules():
         for name, value in vars(module).items():
-            if isinstance(value, torch.Tensor) and name not in _NOT_CARRIED:
-                if isinstance(value, torch.nn.Parameter):
-                    continue
+            if name not in _NOT_CARRIED and _tensor_tree(value) is not None:
                 found[f"{CARRY_PREFIX}{path}{'.' if path else ''}{name}"] = (module, name, value)
     return found
 
 
 def signature(root: torch.nn.Module) -> tuple:
-    """What a trace depended on: the carried attributes, their shapes and dtypes."""
-    return tuple(
-        (key, tuple(value.shape), value.dtype)
-        for key, (_, _, value) in tensor_attributes(root).items()
-    )
+    """What a trace depended on: the carried attributes, their structure, shapes and dtypes."""
+    result = []
+    for key, (_, _, value) in tensor_attributes(root).items():
+        leaves, spec = _tensor_tree(value)
+        result.append((key, str(spec), tuple((tuple(t.shape), t.dtype) for t in leaves)))
+    return tuple(result)
 
 
 class CarriedState:
@@ -53,44 +68,70 @@ class CarriedState:
         self.root = root
         self.slots = tensor_attributes(root)
         self.signature = signature(root)
-        self.assigned: dict[str, tuple[torch.nn.Module, str]] = {}  # filled while tracing
-        self._bound: dict[str, tuple[torch.Tensor, int]] = {}
+        # filled while tracing: what the step assigned, and the pytree spec of each value
+        self.assigned: dict[str, tuple[torch.nn.Module, str, TreeSpec, int]] = {}
+        self._bound: dict[str, tuple[Any, list[int]]] = {}
 
     def inputs(self) -> dict[str, torch.Tensor]:
-        """The current host values, as graph inputs."""
-        return {key: getattr(module, name) for key, (module, name, _) in self.slots.items()}
+        """The current host values, as graph inputs (one per tensor leaf)."""
+        inputs = {}
+        for key, (module, name, _) in self.slots.items():
+            leaves, _ = tree_flatten(getattr(module, name))
+            inputs.update((f"{key}/{i}", t) for i, t in enumerate(leaves))
+        return inputs
 
     def bind(self, graph_inputs: Mapping[str, torch.Tensor]) -> None:
         """While tracing: the modules' attributes are the graph's inputs."""
-        self._before = {id(m): (m, dict(vars(m))) for m in self.root.modules()}
-        for key, (module, name, _) in self.slots.items():
-            value = graph_inputs[key]
-            setattr(module, name, value)
-            self._bound[key] = (value, value._version)
+        self._before = {id(m): dict(vars(m)) for m in self.root.modules()}
+        self._buffers = {
+            (id(m), name): (m, name, b)
+            for m in self.root.modules()
+            for name, b in m._buffers.items()
+            if b is not None
+        }
+        for key, (module, name, value) in self.slots.items():
+            leaves, spec = tree_flatten(value)
+            bound = tree_unflatten([graph_inputs[f"{key}/{i}"] for i in range(len(leaves))], spec)
+            object.__setattr__(module, name, bound)
+            self._bound[key] = (bound, [t._version for t in tree_flatten(bound)[0]])
 
     def capture(self) -> dict[str, torch.Tensor]:
-        """While tracing, after the step: the attributes it assigned or changed in place."""
+        """While tracing, after the step: the attributes it assigned or changed in place.
+
+        A registered buffer that the step reassigns (`self.ema = 0.9 * self.ema + ...`) keeps
+        its tensor, which the device knows: the new value is copied into it, an update of
+        device state like any other.
+        """
+        for module, name, original in self._buffers.values():
+            value = module._buffers.get(name)
+            if value is not original and isinstance(value, torch.Tensor):
+                with torch.no_grad():
+                    original.copy_(value)
+                module._buffers[name] = original
         outputs = {}
         for key, (module, name, value) in tensor_attributes(self.root).items():
+            leaves, spec = tree_flatten(value)
             bound = self._bound.get(key)
-            if bound is not None and value is bound[0] and value._version == bound[1]:
-                continue
-            self.assigned[key] = (module, name)
-            outputs[key] = value.detach()
+            if bound is not None and value is bound[0]:
+                if [t._version for t in leaves] == bound[1]:
+                    continue
+            self.assigned[key] = (module, name, spec, len(leaves))
+            outputs.update((f"{key}/{i}", t.detach()) for i, t in enumerate(leaves))
         return outputs
 
     def restore(self) -> None:
         """After tracing: the trace was no step; the attributes get their values back."""
-        for module, name in self.assigned.values():
-            before = self._before[id(module)][1]
+        for module, name, _, _ in self.assigned.values():
+            before = self._before[id(module)]
             if name in before:
-                setattr(module, name, before[name])
+                object.__setattr__(module, name, before[name])
             else:
                 delattr(module, name)
         for module, name, value in self.slots.values():
-            setattr(module, name, value)
+            object.__setattr__(module, name, value)
 
     def replay(self, outputs: Mapping[str, torch.Tensor]) -> None:
         """After a call: the host modules hold what the step assigned."""
-        for key, (module, name) in self.assigned.items():
-            setattr(module, name, outputs[key])
+        for key, (module, name, spec, n) in self.assigned.items():
+            value = tree_unflatten([outputs[f"{key}/{i}"] for i in range(n)], spec)
+            object.__setattr__(module, name, value)

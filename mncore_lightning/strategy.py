@@ -94,6 +94,7 @@ class MNCoreStrategy(SingleDeviceStrategy):
         self.cache_options = CacheOptions(cache_dir) if cache_dir is not None else None
         self.context: Context | None = None
         self._train_hook: CompiledHook | None = None
+        self._train_hooks: dict[tuple, CompiledHook] = {}  # by carried-state signature
         self._eval_hooks: dict[str, list[CompiledHook]] = {}  # by stage
         self._device_is_newer = False
         self._host_sync: HostSync | None = None
@@ -198,6 +199,7 @@ class MNCoreStrategy(SingleDeviceStrategy):
             set_buffer_name_in_optimizer(optimizer, f"optimizer{index or ''}")
             self.context.register_optimizer_buffers(optimizer)
         self._train_hook = None
+        self._train_hooks = {}
         self._eval_hooks = {}
         self._device_is_newer = False
         self._host_versions = HostVersions(list(self.context.registered_tensors().values()))
@@ -243,11 +245,14 @@ class MNCoreStrategy(SingleDeviceStrategy):
         batch, rest = args[0], args[1:]
         module = self.lightning_module
         self._push_host_edits()  # may re-register a module whose structure changed
-        if self._train_hook is not None:
-            change = _carried_change(self._train_hook.carried.signature, module)
-            if change:
-                self._retrace("training_step", change)
-                self._train_hook = None
+        carried = carried_signature(module)
+        if self._train_hook is not None and self._train_hook.carried.signature != carried:
+            # carried tensors changed structure (None -> a tensor, say): a step traced for
+            # them before is reused, otherwise the step is traced again
+            previous = self._train_hook.carried.signature
+            self._train_hook = self._train_hooks.get(carried)
+            if self._train_hook is None:
+                self._retrace("training_step", _carried_change(previous, carried))
         if self._train_hook is None:
             optimizer = self.optimizers[0] if self.optimizers else None
             if optimizer is None:
@@ -264,6 +269,7 @@ class MNCoreStrategy(SingleDeviceStrategy):
                 gradient_clipping=(trainer.gradient_clip_val, trainer.gradient_clip_algorithm),
                 return_gradients=bool(self._user_hooks.intersection(GRADIENT_HOOKS)),
             )
+            self._train_hooks[carried] = self._train_hook
         else:
             layout, inputs = BatchLayout.of(batch)
             if layout != self._train_hook.layout:
@@ -423,6 +429,7 @@ class MNCoreStrategy(SingleDeviceStrategy):
             trainer.callbacks.remove(self._host_sync)
         self.context = None
         self._train_hook = None
+        self._train_hooks = {}
         self._eval_hooks = {}
         super().teardown()
 
@@ -491,17 +498,14 @@ def _describe_change(before: tuple, after: tuple) -> str:
     return "; ".join(parts) or "tensors replaced"
 
 
-def _carried_change(traced_for: tuple, module: torch.nn.Module) -> str | None:
-    """How the module's carried tensors differ from those a step was traced for, if they do."""
-    now = carried_signature(module)
-    if now == traced_for:
-        return None
+def _carried_change(traced_for: tuple, now: tuple) -> str:
+    """How a module's carried tensors differ from those a step was traced for."""
     old = {key: spec for key, *spec in traced_for}
     new = {key: spec for key, *spec in now}
     parts = [f"{key} appeared" for key in new if key not in old]
     parts += [f"{key} is no longer a tensor" for key in old if key not in new]
     parts += [
-        f"{key} changed from {list(old[key][0])} {old[key][1]} to {list(new[key][0])} {new[key][1]}"
+        f"{key} changed shape, dtype or structure"
         for key in new
         if key in old and old[key] != new[key]
     ]

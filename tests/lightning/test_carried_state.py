@@ -1,0 +1,112 @@
+"""Python state a step keeps between batches behaves as on cpu (carried, not frozen).
+
+Same seed and data on accelerator="cpu" and "mncore" (O0); ATOL = 1e-5 absolute.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.demos.lstm import LightningLSTM, SimpleLSTM
+from torch.utils.data import DataLoader, TensorDataset
+
+from tests.lightning.lightning_testing import ATOL, LitClassifier, assert_state_close, fit_once
+
+
+def _both(**kwargs):
+    return [fit_once(accelerator, **kwargs) for accelerator in ("cpu", "mncore")]
+
+
+def _assert_same_run(cpu, mn):
+    (_, cpu_model, cpu_losses), (_, mn_model, mn_losses) = cpu, mn
+    torch.testing.assert_close(
+        torch.stack(cpu_losses.losses), torch.stack(mn_losses.losses), atol=ATOL, rtol=0
+    )
+    assert_state_close(cpu_model, mn_model)
+
+
+class TinyLSTM(LightningLSTM):
+    """Lightning's demo LSTM (hidden state carried across batches, reset each epoch) on
+    synthetic tokens; the demo's WikiText2 download is not used."""
+
+    def __init__(self) -> None:
+        super().__init__(vocab_size=50)
+        # the demo's training_step and hidden-state handling, on a small SimpleLSTM; no
+        # dropout (nn.LSTM's fused kernel draws its inter-layer masks differently when traced)
+        self.model = SimpleLSTM(vocab_size=50, ninp=16, nhid=16, nlayers=2, dropout=0.0)
+
+    def prepare_data(self) -> None:
+        pass
+
+
+def _tokens() -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 50, (40, 6), generator=g)
+    return DataLoader(TensorDataset(x, torch.roll(x, -1, dims=1)), batch_size=10)
+
+
+def test_lightning_lstm_demo_carries_its_hidden_state():
+    cpu, mn = _both(model_cls=TinyLSTM, train=_tokens(), max_epochs=2)
+    _assert_same_run(cpu, mn)
+    strategy = mn[0].strategy
+    # traced for "no hidden state" and for "(h, c)": once each, then reused every epoch
+    assert strategy.retraces == 1
+    assert isinstance(mn[1].hidden, tuple) or mn[1].hidden is None
+
+
+class Counter(LitClassifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = torch.zeros(())
+
+    def training_step(self, batch, batch_idx):
+        self.count = self.count + 1
+        x, y = batch
+        return F.cross_entropy(self(x), y) * (1.0 + 0.1 * self.count)
+
+
+def test_a_rebound_tensor_attribute_is_carried():
+    cpu, mn = _both(model_cls=Counter, max_epochs=2)
+    _assert_same_run(cpu, mn)
+    assert mn[1].count.item() == cpu[1].count.item() == 8
+
+
+class LossEMA(LitClassifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("ema", torch.zeros(()))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.ema = 0.9 * self.ema + 0.1 * loss.detach()
+        self.log("ema", self.ema)
+        return loss + 0.01 * self.ema
+
+
+def test_a_reassigned_registered_buffer_is_updated_on_the_device():
+    cpu, mn = _both(model_cls=LossEMA, max_epochs=2)
+    _assert_same_run(cpu, mn)
+    assert mn[1].ema.item() > 0
+    torch.testing.assert_close(
+        cpu[0].callback_metrics["ema"], mn[0].callback_metrics["ema"], atol=ATOL, rtol=0
+    )
+
+
+class InPlaceTotal(LitClassifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = torch.zeros(())
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.total.add_(loss.detach())
+        return loss
+
+
+def test_an_unregistered_tensor_updated_in_place_is_carried():
+    cpu, mn = _both(model_cls=InPlaceTotal, max_epochs=2)
+    _assert_same_run(cpu, mn)
+    torch.testing.assert_close(cpu[1].total, mn[1].total, atol=ATOL, rtol=0)
+    assert mn[1].total.item() > 0
