@@ -184,4 +184,5 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
             device,
             compile_seconds=time.perf_counter() - start,
             cache_hit=hit,
+            copied_outputs=traced.outputs_aliasing_state,
         )
