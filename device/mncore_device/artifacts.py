@@ -178,14 +178,14 @@ def load(path: Path) -> tuple[TracedStep, dict]:
             {k: TensorSpec.from_json(v) for k, v in specs["outputs"].items()},
         )
         Preset(**specs["preset"])
+    except CodegenDirError:
+        raise
     except KeyError as error:
         raise CodegenDirError(
             f"{specs_file} has no key {error}: written by another tool or edited; compile the "
             "step again"
         ) from None
     except (TypeError, ValueError) as error:
-        if isinstance(error, CodegenDirError):
-            raise
         raise CodegenDirError(
             f"{specs_file} is malformed ({error}): compile the step again"
         ) from None

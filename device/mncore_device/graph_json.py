@@ -134,8 +134,6 @@ def graph_from_json(data: Any) -> fx.GraphModule:
         if op == "placeholder":
             default = args[0] if args else inspect.Signature.empty
             node = graph.placeholder(name, default_value=default)
-            if node.name != name:
-                raise GraphFormatError(f"placeholder name {name!r} is not usable")
         elif op == "call_function":
             node = graph.create_node(op, resolve_target(entry.get("target")), args, kwargs, name)
         elif op == "output":

@@ -557,3 +557,19 @@ def test_recompiling_into_a_codegen_dir_replaces_only_its_own_files(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["codegen"]
     loaded = new_context().load_codegen_dir(path)
     assert torch.equal(loaded({"x": torch.ones(4, 2)})["y"], torch.tensor([[6.0, 8.0]] * 4))
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda s: s["inputs"]["x"].update(dtype="load"),
+        lambda s: s["inputs"]["x"].update(shape="4, 2"),
+        lambda s: s["state"][0].update(kind="executable"),
+        lambda s: s["preset"].update(surprise=1),
+    ],
+)
+def test_a_specs_file_with_malformed_values_is_refused(tmp_path, edit):
+    path = small_codegen_dir(tmp_path / "codegen")
+    edit_specs(path, edit)
+    with pytest.raises(CodegenDirError, match=r"specs.json is malformed"):
+        new_context().load_codegen_dir(path)
