@@ -70,6 +70,13 @@ def describe(traced: TracedStep) -> dict:
     }
 
 
+def canonical(traced: TracedStep) -> TracedStep:
+    """The step with its graph rebuilt from its JSON form: compiling runs exactly what a
+    codegen dir holds, and Inductor's caches see one graph whether compiled or loaded."""
+    traced.graph_module = graph_from_json(graph_to_json(traced.graph_module.graph))
+    return traced
+
+
 def save(path: Path, traced: TracedStep, specs: dict, preset: Preset) -> None:
     """Write a codegen directory: all of it, or (if interrupted) nothing."""
     graph = json.dumps(graph_to_json(traced.graph_module.graph), indent=0).encode()
