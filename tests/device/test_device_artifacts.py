@@ -262,9 +262,16 @@ COMPILE_WITH_CACHE = """
 
     generator = torch.Generator().manual_seed(1)
     batch = {"x": torch.randn(8, 4, generator=generator), "t": torch.tensor([0, 1] * 4)}
-    compiled = context.compile(
-        step, batch, options={"option_json": "O1"}, cache_options=CacheOptions(sys.argv[1])
-    )
+    if sys.argv[2] == "load":  # the codegen dir a compile wrote, Inductor's cache warm
+        compiled = context.load_codegen_dir(sys.argv[3])
+    else:
+        compiled = context.compile(
+            step,
+            batch,
+            sys.argv[3],
+            options={"option_json": "O1"},
+            cache_options=CacheOptions(sys.argv[1]),
+        )
     losses = [compiled(batch)["loss"].item() for _ in range(3)]
     context.synchronize()
     weight = model.weight.tolist()
@@ -273,7 +280,10 @@ COMPILE_WITH_CACHE = """
         non_contiguous = "ok"
     except Exception as error:
         non_contiguous = f"{type(error).__name__}: {error}"
+    from torch._dynamo.utils import counters
+
     print(json.dumps({
+        "inductor": {k: v for k, v in counters["inductor"].items() if "cache" in k},
         "cache_hit": compiled.cache_hit,
         "compile_seconds": compiled.compile_seconds,
         "losses": losses,
@@ -288,14 +298,17 @@ def o1_runs(tmp_path_factory):
     """The slow part: the same O1 compile in two fresh processes sharing one cache dir."""
     env = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}  # no worker pool: faster on 2 cores
     cache = tmp_path_factory.mktemp("o1") / "cache"
-    cold = json.loads(run_python(COMPILE_WITH_CACHE, cache, env=env))
-    warm = json.loads(run_python(COMPILE_WITH_CACHE, cache, env=env))
-    return cold, warm
+    codegen = cache.parent / "codegen"
+    cold = json.loads(run_python(COMPILE_WITH_CACHE, cache, "compile", codegen, env=env))
+    warm = json.loads(run_python(COMPILE_WITH_CACHE, cache, "compile", codegen, env=env))
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(cache / "inductor")  # where CacheOptions put it
+    loaded = json.loads(run_python(COMPILE_WITH_CACHE, cache, "load", codegen, env=env))
+    return cold, warm, loaded
 
 
 def test_o1_compile_cache_is_hit_by_a_fresh_process(o1_runs):
     """A real (cold) Inductor compile, then the same compile from the cache."""
-    cold, warm = o1_runs
+    cold, warm, _ = o1_runs
     print(
         f"O1 compile: cold {cold['compile_seconds']:.2f} s, cached {warm['compile_seconds']:.2f} s"
     )
@@ -303,6 +316,8 @@ def test_o1_compile_cache_is_hit_by_a_fresh_process(o1_runs):
     assert cold["cache_hit"] is False
     assert warm["cache_hit"] is True
     assert warm["compile_seconds"] < cold["compile_seconds"]
+    assert cold["inductor"] == {"fxgraph_cache_miss": 1}
+    assert warm["inductor"] == {"fxgraph_cache_hit": 1}
     assert warm["losses"] == cold["losses"]
     assert warm["weight"] == cold["weight"]
 
@@ -318,6 +333,19 @@ def test_o1_compile_cache_is_hit_by_a_fresh_process(o1_runs):
     torch.testing.assert_close(
         torch.tensor(cold["weight"]), model.weight.detach(), rtol=1e-5, atol=1e-5
     )
+
+
+def test_loading_an_o1_codegen_dir_reuses_the_compiled_kernels(o1_runs):
+    """load_codegen_dir in a fresh process finds the graph in Inductor's cache: no codegen,
+    no compiler run. The kernels come from that cache, never from the codegen dir."""
+    cold, _, loaded = o1_runs
+    print(
+        f"O1: cold compile {cold['compile_seconds']:.2f} s, load {loaded['compile_seconds']:.2f} s"
+    )
+    assert loaded["inductor"] == {"fxgraph_cache_hit": 1}
+    assert loaded["compile_seconds"] < cold["compile_seconds"] / 2
+    assert loaded["losses"] == cold["losses"]
+    assert loaded["weight"] == cold["weight"]
 
 
 def test_o1_accepts_non_contiguous_inputs(o1_runs):
