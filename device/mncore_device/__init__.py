@@ -15,6 +15,7 @@ from .context import Context, Role
 from .device import BACKENDS, Backend, MNDevice, mlsdk_available, resolve_backend
 from .emulator import EmulatorContext, RegisteredValueProxy
 from .errors import (
+    CodegenDirError,
     InputSpecError,
     MLSDKNotInstalledError,
     MNCoreError,
@@ -33,6 +34,7 @@ from .presets import DEFAULT_PRESET, PRESET_NAMES, load_preset, preset_path
 from .specs import TensorSpec
 
 __all__ = [
+    "CodegenDirError",
     "BACKENDS",
     "DEFAULT_PRESET",
     "PRESET_NAMES",

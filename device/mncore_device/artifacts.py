@@ -1,27 +1,43 @@
 """What `compile` writes to `codegen_dir`, how `load_codegen_dir` reads it, and the cache.
 
 A codegen directory holds everything needed to run the step again without its Python
-function: the functional graph (`graph.pt`, with a readable `graph.py`), the input, output
-and state specs (`specs.json`), and the values of the unregistered tensors the graph
-captured (`captured.pt`). Registered state is bound again by name at load time.
+function, as data, never code: the functional graph as a JSON op list (`graph.json`,
+resolved against `torch.ops` when read; `graph.py` is a readable listing, never imported),
+the input, output and state specs (`specs.json`), and the values of the unregistered
+tensors the graph captured (`captured.pt`, read with `weights_only=True`). Registered state
+is bound again by name at load time.
+
+A directory is written whole into a temporary sibling and renamed into place, so an
+interrupted compile leaves the previous directory (or none), never a mix of two; specs.json
+carries the sha256 of graph.json and captured.pt, checked before either is read.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.fx as fx
 
+from .errors import CodegenDirError
+from .graph_json import GraphFormatError, graph_from_json, graph_to_json
 from .presets import Preset
 from .specs import TensorSpec
 from .tracing import StateBinding, StateKind, TracedStep
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+GRAPH_FILE = "graph.json"
+LISTING_FILE = "graph.py"
+SPECS_FILE = "specs.json"
+CAPTURED_FILE = "captured.pt"
+# What a compile writes (and, on rewriting a directory, replaces); graph.pt is format 1's.
+_OWN_FILES = (GRAPH_FILE, LISTING_FILE, SPECS_FILE, CAPTURED_FILE, "graph.pt")
 
 
 @dataclass(frozen=True)
@@ -54,56 +70,149 @@ def describe(traced: TracedStep) -> dict:
     }
 
 
+def canonical(traced: TracedStep) -> TracedStep:
+    """The step with its graph rebuilt from its JSON form: compiling runs exactly what a
+    codegen dir holds, and Inductor's caches see one graph whether compiled or loaded."""
+    traced.graph_module = graph_from_json(graph_to_json(traced.graph_module.graph))
+    return traced
+
+
 def save(path: Path, traced: TracedStep, specs: dict, preset: Preset) -> None:
-    """Write a codegen directory."""
-    path.mkdir(parents=True, exist_ok=True)
-    torch.save(_portable(traced.graph_module), path / "graph.pt")
-    (path / "graph.py").write_text(traced.graph_module.code)
-    (path / "specs.json").write_text(json.dumps({**specs, "preset": preset.to_json()}, indent=1))
+    """Write a codegen directory: all of it, or (if interrupted) nothing."""
+    graph = json.dumps(graph_to_json(traced.graph_module.graph), indent=0).encode()
+    buffer = io.BytesIO()
     captured = {
         s.name: s.tensor.detach().cpu() for s in traced.state if s.kind is not StateKind.REGISTERED
     }
-    torch.save(captured, path / "captured.pt")
+    torch.save(captured, buffer)
+    tensors = buffer.getvalue()
+    specs = {
+        **specs,
+        "preset": preset.to_json(),
+        "sha256": {GRAPH_FILE: _sha256(graph), CAPTURED_FILE: _sha256(tensors)},
+    }
+    path = path.absolute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.writing-", dir=path.parent))
+    try:
+        (staging / GRAPH_FILE).write_bytes(graph)
+        (staging / LISTING_FILE).write_text(traced.graph_module.code)
+        (staging / CAPTURED_FILE).write_bytes(tensors)
+        (staging / SPECS_FILE).write_text(json.dumps(specs, indent=1))
+        _replace_dir(staging, path)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
-def _portable(gm: fx.GraphModule) -> fx.GraphModule:
-    """A plain GraphModule of the same graph: make_fx's own class re-traces itself with the
-    proxy-tensor tracer when unpickled, which fails in a process that has not imported some
-    of torch's internals; a plain one is rebuilt by the ordinary FX tracer."""
-    plain = fx.GraphModule(torch.nn.Module(), gm.graph)
-    plain._tracer_cls = None
-    return plain
+def _replace_dir(staging: Path, path: Path) -> None:
+    """Rename `staging` to `path`. An existing `path` is renamed aside first (os.replace
+    cannot replace a non-empty directory); files in it that a compile does not write (the
+    user's own) are moved into the new directory, then the old one is removed."""
+    if not path.exists():
+        os.rename(staging, path)
+        return
+    if not path.is_dir():
+        raise NotADirectoryError(f"codegen_dir {path} exists and is not a directory")
+    old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+    os.rename(path, old / "dir")
+    os.rename(staging, path)
+    for entry in (old / "dir").iterdir():
+        if entry.name not in _OWN_FILES:
+            os.rename(entry, path / entry.name)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 def load(path: Path) -> tuple[TracedStep, dict]:
-    """Read a codegen directory back into a TracedStep (registered tensors still unbound)."""
-    specs_file = path / "specs.json"
+    """Read a codegen directory back into a TracedStep (registered tensors still unbound).
+
+    Nothing in the directory is unpickled or executed: graph.json is data resolved against
+    torch.ops, captured.pt is read weights-only, and both must match specs.json's hashes."""
+    specs_file = path / SPECS_FILE
     if not specs_file.is_file():
-        raise FileNotFoundError(f"{path} is not a codegen directory (no specs.json)")
-    specs = json.loads(specs_file.read_text())
+        raise FileNotFoundError(f"{path} is not a codegen directory (no {SPECS_FILE})")
+    try:
+        specs = json.loads(specs_file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CodegenDirError(
+            f"{specs_file} is not valid JSON ({error}): truncated or corrupt; compile the step "
+            "again"
+        ) from None
+    if not isinstance(specs, dict):
+        raise CodegenDirError(f"{specs_file} is not a JSON object: compile the step again")
     if specs.get("format") != FORMAT_VERSION:
-        raise ValueError(
+        raise CodegenDirError(
             f"{specs_file}: codegen format {specs.get('format')!r}, but this version of "
             f"mncore_device reads format {FORMAT_VERSION}: compile the step again"
         )
-    gm: fx.GraphModule = torch.load(path / "graph.pt", weights_only=False)
-    captured = torch.load(path / "captured.pt", weights_only=True)
-    state = []
-    for entry in specs["state"]:
-        spec = TensorSpec.from_json(entry)
-        tensor = captured.get(
-            entry["name"], torch.empty(spec.shape, dtype=spec.dtype, device="meta")
+    try:
+        hashes = specs["sha256"]
+        graph_data = _read_checked(path / GRAPH_FILE, hashes[GRAPH_FILE])
+        tensors = _read_checked(path / CAPTURED_FILE, hashes[CAPTURED_FILE])
+        try:
+            gm = graph_from_json(json.loads(graph_data))
+        except (UnicodeDecodeError, json.JSONDecodeError, GraphFormatError) as error:
+            raise CodegenDirError(f"{path / GRAPH_FILE}: {error}") from None
+        try:
+            captured = torch.load(io.BytesIO(tensors), weights_only=True)
+        except Exception as error:
+            raise CodegenDirError(
+                f"{path / CAPTURED_FILE} cannot be read as plain tensors ({error})"
+            ) from None
+        if not isinstance(captured, dict):
+            raise CodegenDirError(f"{path / CAPTURED_FILE} does not hold a dict of tensors")
+        state = []
+        for entry in specs["state"]:
+            spec = TensorSpec.from_json(entry)
+            tensor = captured.get(
+                entry["name"], torch.empty(spec.shape, dtype=spec.dtype, device="meta")
+            )
+            if not isinstance(tensor, torch.Tensor) or TensorSpec.of(tensor) != spec:
+                raise CodegenDirError(
+                    f"{path / CAPTURED_FILE}: {entry['name']!r} does not match {specs_file}"
+                )
+            state.append(
+                StateBinding(entry["name"], StateKind(entry["kind"]), tensor, entry["mutated"])
+            )
+        traced = TracedStep(
+            gm,
+            state,
+            {k: TensorSpec.from_json(v) for k, v in specs["inputs"].items()},
+            {k: TensorSpec.from_json(v) for k, v in specs["outputs"].items()},
         )
-        state.append(
-            StateBinding(entry["name"], StateKind(entry["kind"]), tensor, entry["mutated"])
-        )
-    traced = TracedStep(
-        gm,
-        state,
-        {k: TensorSpec.from_json(v) for k, v in specs["inputs"].items()},
-        {k: TensorSpec.from_json(v) for k, v in specs["outputs"].items()},
-    )
+        Preset(**specs["preset"])
+    except CodegenDirError:
+        raise
+    except KeyError as error:
+        raise CodegenDirError(
+            f"{specs_file} has no key {error}: written by another tool or edited; compile the "
+            "step again"
+        ) from None
+    except (TypeError, ValueError) as error:
+        raise CodegenDirError(
+            f"{specs_file} is malformed ({error}): compile the step again"
+        ) from None
     return traced, specs
+
+
+def _read_checked(file: Path, expected: object) -> bytes:
+    """The bytes of `file`, if they hash to what specs.json says."""
+    if not file.is_file():
+        raise CodegenDirError(
+            f"{file} is missing (a codegen dir of an older format, or not complete): compile "
+            "the step again"
+        )
+    data = file.read_bytes()
+    if _sha256(data) != expected:
+        raise CodegenDirError(
+            f"{file} does not match the sha256 in {file.parent / SPECS_FILE}: it was changed, "
+            "truncated or comes from another compile; compile the step again"
+        )
+    return data
 
 
 def cache_key(traced: TracedStep, specs: dict, preset: Preset, device: torch.device) -> str:

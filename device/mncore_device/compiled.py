@@ -75,6 +75,7 @@ class CompiledFunction:
         device: torch.device,
         compile_seconds: float = 0.0,
         cache_hit: bool = False,
+        copied_outputs: Sequence[int] = (),
     ) -> None:
         self._executor = executor
         self._state = list(state)
@@ -86,6 +87,7 @@ class CompiledFunction:
         self.output_specs = dict(output_specs)
         self._input_items = list(self.input_specs.items())
         self._output_keys = list(self.output_specs)
+        self._copied_outputs = list(copied_outputs)  # outputs sharing memory with state
         self.device = device
         self.compile_seconds = compile_seconds
         self.cache_hit = cache_hit
@@ -110,7 +112,10 @@ class CompiledFunction:
         n = len(self._output_keys)
         for slot, value in zip(self._mutated, outputs[n:], strict=True):
             slot.value = value
-        return dict(zip(self._output_keys, outputs[:n], strict=True))
+        results = list(outputs[:n])
+        for i in self._copied_outputs:  # the caller may edit them in place: never state
+            results[i] = results[i].clone()
+        return dict(zip(self._output_keys, results, strict=True))
 
     def _arguments(self, inputs) -> list[torch.Tensor]:
         check_input_keys(inputs, self.input_specs)

@@ -113,6 +113,7 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
         start = time.perf_counter()
         preset = load_preset((options or {}).get("option_json"))
         traced = trace_step(function, inputs, dict(self._registered), self._optimizers)
+        traced = artifacts.canonical(traced)
         slots = self._bind(traced)
         specs = artifacts.describe(traced)
         if codegen_dir is not None:
@@ -184,4 +185,5 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
             device,
             compile_seconds=time.perf_counter() - start,
             cache_hit=hit,
+            copied_outputs=traced.outputs_aliasing_state,
         )

@@ -25,3 +25,8 @@ class NonFiniteError(FloatingPointError, MNCoreError):
 
 class RegistrationError(ValueError, MNCoreError):
     """A tensor could not be registered (no name, name clash, unknown tensor)."""
+
+
+class CodegenDirError(ValueError, MNCoreError):
+    """A codegen directory is incomplete, inconsistent, of another format or not data this
+    package wrote; the message names the file. Nothing from it was run: compile again."""

@@ -58,9 +58,24 @@ def _compile_with_inductor(
     options.update(preset.inductor_options)
     if example_args and example_args[0].device.type != "cuda":
         options.pop("triton.cudagraphs", None)
-    with _inductor_cache_dir(cache_dir):
-        compiled = compile_fx(gm, list(example_args), config_patches=options)
+    with _inductor_cache_dir(cache_dir), _static_shape_env(example_args) as fake_args:
+        compiled = compile_fx(gm, fake_args, config_patches=options)
     return lambda args: compiled(*args)
+
+
+@contextlib.contextmanager
+def _static_shape_env(example_args: Sequence[torch.Tensor]):
+    """Fake copies of `example_args`, every dimension static, under a fake mode that has a
+    ShapeEnv: without one Inductor bypasses its FX graph cache and AOTAutograd's cache ("No
+    shape env"), so a second compile or a load_codegen_dir of the same graph would run
+    Inductor's whole codegen again."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
+    with tracing(TracingContext(fake_mode)):
+        yield [fake_mode.from_tensor(arg, static_shapes=True) for arg in example_args]
 
 
 @contextlib.contextmanager

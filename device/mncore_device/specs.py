@@ -26,7 +26,13 @@ class TensorSpec:
 
     @classmethod
     def from_json(cls, data: Mapping) -> TensorSpec:
-        return cls(tuple(data["shape"]), getattr(torch, data["dtype"]))
+        dtype = getattr(torch, str(data["dtype"]), None)
+        shape = data["shape"]
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"{data['dtype']!r} is not a torch dtype")
+        if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+            raise ValueError(f"{shape!r} is not a tensor shape")
+        return cls(tuple(shape), dtype)
 
     def __str__(self) -> str:
         return f"{list(self.shape)} {str(self.dtype).removeprefix('torch.')}"

@@ -15,6 +15,7 @@ and so is the random number generator, so tracing leaves no trace on the host.
 from __future__ import annotations
 
 import contextlib
+import operator
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -87,6 +88,22 @@ class TracedStep:
     @property
     def mutated_state(self) -> list[int]:
         return [i for i, s in enumerate(self.state) if s.mutated]
+
+    @property
+    def outputs_aliasing_state(self) -> list[int]:
+        """Indices of the step's outputs that share memory with device state: a state input
+        returned as is or through a view, or the very value that becomes a state's new
+        value. The caller gets copies of these, so editing one never edits the device."""
+        graph = self.graph_module.graph
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        output = next(n for n in graph.nodes if n.op == "output")
+        values = list(output.args[0])
+        n = len(self.output_specs)
+        aliasing = set(placeholders[: len(self.state)]) | set(values[n:])
+        for node in graph.nodes:
+            if node.op == "call_function" and _is_view_of(node, aliasing):
+                aliasing.add(node)
+        return [i for i, value in enumerate(values[:n]) if value in aliasing]
 
 
 def trace_step(
@@ -299,6 +316,17 @@ def _describe(tensor: torch.Tensor, index: int) -> str:
     shape = "x".join(map(str, tensor.shape)) or "scalar"
     dtype = str(tensor.dtype).removeprefix("torch.")
     return get_tensor_name(tensor) or f"<captured {index}: unnamed {shape} {dtype}>"
+
+
+def _is_view_of(node: fx.Node, nodes: set[fx.Node]) -> bool:
+    """Whether `node` may share memory with one of `nodes` (a view op, or getitem of one)."""
+    target = node.target
+    if target is operator.getitem:
+        return node.args[0] in nodes
+    if not isinstance(target, torch._ops.OpOverload):
+        return any(a in nodes for a in node.all_input_nodes)  # unknown: assume it aliases
+    returns_alias = any(r.alias_info is not None for r in target._schema.returns)
+    return returns_alias and any(a in nodes for a in node.all_input_nodes)
 
 
 # --- graph passes -----------------------------------------------------------------------

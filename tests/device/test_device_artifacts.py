@@ -5,17 +5,26 @@ The round trips run in fresh Python processes, as a deployment would.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
 
-from mncore_device import CacheOptions, InputSpecError, RegistrationError, storage
+from mncore_device import (
+    CacheOptions,
+    CodegenDirError,
+    InputSpecError,
+    RegistrationError,
+    storage,
+)
 from tests.device.device_testing import (
     classification_batches,
     compile_o0,
@@ -253,9 +262,16 @@ COMPILE_WITH_CACHE = """
 
     generator = torch.Generator().manual_seed(1)
     batch = {"x": torch.randn(8, 4, generator=generator), "t": torch.tensor([0, 1] * 4)}
-    compiled = context.compile(
-        step, batch, options={"option_json": "O1"}, cache_options=CacheOptions(sys.argv[1])
-    )
+    if sys.argv[2] == "load":  # the codegen dir a compile wrote, Inductor's cache warm
+        compiled = context.load_codegen_dir(sys.argv[3])
+    else:
+        compiled = context.compile(
+            step,
+            batch,
+            sys.argv[3],
+            options={"option_json": "O1"},
+            cache_options=CacheOptions(sys.argv[1]),
+        )
     losses = [compiled(batch)["loss"].item() for _ in range(3)]
     context.synchronize()
     weight = model.weight.tolist()
@@ -264,7 +280,10 @@ COMPILE_WITH_CACHE = """
         non_contiguous = "ok"
     except Exception as error:
         non_contiguous = f"{type(error).__name__}: {error}"
+    from torch._dynamo.utils import counters
+
     print(json.dumps({
+        "inductor": {k: v for k, v in counters["inductor"].items() if "cache" in k},
         "cache_hit": compiled.cache_hit,
         "compile_seconds": compiled.compile_seconds,
         "losses": losses,
@@ -279,14 +298,17 @@ def o1_runs(tmp_path_factory):
     """The slow part: the same O1 compile in two fresh processes sharing one cache dir."""
     env = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}  # no worker pool: faster on 2 cores
     cache = tmp_path_factory.mktemp("o1") / "cache"
-    cold = json.loads(run_python(COMPILE_WITH_CACHE, cache, env=env))
-    warm = json.loads(run_python(COMPILE_WITH_CACHE, cache, env=env))
-    return cold, warm
+    codegen = cache.parent / "codegen"
+    cold = json.loads(run_python(COMPILE_WITH_CACHE, cache, "compile", codegen, env=env))
+    warm = json.loads(run_python(COMPILE_WITH_CACHE, cache, "compile", codegen, env=env))
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(cache / "inductor")  # where CacheOptions put it
+    loaded = json.loads(run_python(COMPILE_WITH_CACHE, cache, "load", codegen, env=env))
+    return cold, warm, loaded
 
 
 def test_o1_compile_cache_is_hit_by_a_fresh_process(o1_runs):
     """A real (cold) Inductor compile, then the same compile from the cache."""
-    cold, warm = o1_runs
+    cold, warm, _ = o1_runs
     print(
         f"O1 compile: cold {cold['compile_seconds']:.2f} s, cached {warm['compile_seconds']:.2f} s"
     )
@@ -294,6 +316,8 @@ def test_o1_compile_cache_is_hit_by_a_fresh_process(o1_runs):
     assert cold["cache_hit"] is False
     assert warm["cache_hit"] is True
     assert warm["compile_seconds"] < cold["compile_seconds"]
+    assert cold["inductor"] == {"fxgraph_cache_miss": 1}
+    assert warm["inductor"] == {"fxgraph_cache_hit": 1}
     assert warm["losses"] == cold["losses"]
     assert warm["weight"] == cold["weight"]
 
@@ -309,6 +333,19 @@ def test_o1_compile_cache_is_hit_by_a_fresh_process(o1_runs):
     torch.testing.assert_close(
         torch.tensor(cold["weight"]), model.weight.detach(), rtol=1e-5, atol=1e-5
     )
+
+
+def test_loading_an_o1_codegen_dir_reuses_the_compiled_kernels(o1_runs):
+    """load_codegen_dir in a fresh process finds the graph in Inductor's cache: no codegen,
+    no compiler run. The kernels come from that cache, never from the codegen dir."""
+    cold, _, loaded = o1_runs
+    print(
+        f"O1: cold compile {cold['compile_seconds']:.2f} s, load {loaded['compile_seconds']:.2f} s"
+    )
+    assert loaded["inductor"] == {"fxgraph_cache_hit": 1}
+    assert loaded["compile_seconds"] < cold["compile_seconds"] / 2
+    assert loaded["losses"] == cold["losses"]
+    assert loaded["weight"] == cold["weight"]
 
 
 def test_o1_accepts_non_contiguous_inputs(o1_runs):
@@ -357,3 +394,210 @@ def test_captured_hyperparameters_keep_their_values_through_a_codegen_dir(tmp_pa
         reference, torch.optim.SGD(reference.parameters(), 0.05, 0.9, 0.25), cross_entropy, batches
     )
     torch.testing.assert_close(losses, expected, rtol=1e-6, atol=1e-6)
+
+
+# --- a codegen dir is data, consistent, or refused ----------------------------------------
+
+
+def small_codegen_dir(path, scale=(2.0, 3.0)) -> Path:
+    """Compile `x * scale + 1` (scale a captured host tensor) into `path`."""
+    factor = torch.tensor(scale)
+    new_context().compile(
+        lambda b: {"y": b["x"] * factor + 1},
+        {"x": torch.ones(4, 2)},
+        path,
+        options={"option_json": "O0"},
+    )
+    return path
+
+
+def edit_specs(path: Path, edit) -> None:
+    specs = json.loads((path / "specs.json").read_text())
+    edit(specs)
+    (path / "specs.json").write_text(json.dumps(specs))
+
+
+class RunsCode:
+    """Unpickling this creates `marker`: proof that a loader executed code from a file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_a_codegen_dir_holds_json_and_weights_only_tensors(context, tmp_path, monkeypatch):
+    path = small_codegen_dir(tmp_path / "codegen")
+    assert sorted(p.name for p in path.iterdir()) == [
+        "captured.pt",
+        "graph.json",
+        "graph.py",
+        "specs.json",
+    ]
+    graph = json.loads((path / "graph.json").read_text())
+    targets = {node.get("target") for node in graph["nodes"]} - {None}
+    assert targets == {"aten::mul.Tensor", "aten::add.Tensor"}
+    specs = json.loads((path / "specs.json").read_text())
+    assert set(specs["sha256"]) == {"graph.json", "captured.pt"}
+
+    loads = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(k) or real_load(*a, **k))
+    loaded = new_context().load_codegen_dir(path)
+    assert loads and all(k.get("weights_only") is True for k in loads)
+    assert torch.equal(loaded({"x": torch.ones(4, 2)})["y"], torch.tensor([[3.0, 4.0]] * 4))
+
+
+def test_a_crafted_graph_pickle_is_never_unpickled(tmp_path):
+    """An old-style graph.pt holding a payload, next to specs that pass every other check."""
+    path = small_codegen_dir(tmp_path / "codegen")
+    marker = tmp_path / "code-ran"
+    torch.save(RunsCode(marker), path / "graph.pt")
+    (path / "graph.json").unlink()
+    with pytest.raises(CodegenDirError, match="graph.json is missing"):
+        new_context().load_codegen_dir(path)
+    assert not marker.exists()
+
+    edit_specs(path, lambda s: s.update(format=1))  # a format-1 dir loaded graph.pt
+    with pytest.raises(CodegenDirError, match=r"specs.json: codegen format 1.*compile"):
+        new_context().load_codegen_dir(path)
+    assert not marker.exists()
+
+    torch.load(path / "graph.pt", weights_only=False)  # what format 1 did: the payload runs
+    assert marker.exists()
+
+
+def test_a_crafted_captured_pickle_is_never_unpickled(tmp_path):
+    path = small_codegen_dir(tmp_path / "codegen")
+    marker = tmp_path / "code-ran"
+    torch.save({"<captured 0: unnamed [2] float32>": RunsCode(marker)}, path / "captured.pt")
+    digest = hashlib.sha256((path / "captured.pt").read_bytes()).hexdigest()
+    edit_specs(path, lambda s: s["sha256"].update({"captured.pt": digest}))  # hash matches
+    with pytest.raises(CodegenDirError, match="captured.pt cannot be read as plain tensors"):
+        new_context().load_codegen_dir(path)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "builtins.eval",
+        "os.system",
+        "aten::__class__.mro",
+        "aten::no_such_op.default",
+        "ops::load_library.x",
+    ],
+)
+def test_a_graph_naming_anything_but_a_registered_operator_is_refused(tmp_path, target):
+    path = small_codegen_dir(tmp_path / "codegen")
+    graph = json.loads((path / "graph.json").read_text())
+    next(n for n in graph["nodes"] if n["op"] == "call_function")["target"] = target
+    (path / "graph.json").write_text(json.dumps(graph))
+    digest = hashlib.sha256((path / "graph.json").read_bytes()).hexdigest()
+    edit_specs(path, lambda s: s["sha256"].update({"graph.json": digest}))
+    with pytest.raises(CodegenDirError, match=r"graph.json: .*(operator|not registered)"):
+        new_context().load_codegen_dir(path)
+
+
+def test_files_mixed_from_two_compiles_are_refused(tmp_path):
+    first = small_codegen_dir(tmp_path / "first")
+    second = small_codegen_dir(tmp_path / "second", scale=(5.0, 7.0))
+    shutil.copy(second / "captured.pt", first / "captured.pt")
+    with pytest.raises(CodegenDirError, match=r"captured.pt does not match the sha256"):
+        new_context().load_codegen_dir(first)
+
+    new_context().compile(
+        lambda b: {"y": b["x"] - 1},
+        {"x": torch.ones(4, 2)},
+        tmp_path / "third",
+        options={"option_json": "O0"},
+    )
+    shutil.copy(tmp_path / "third" / "graph.json", second / "graph.json")
+    with pytest.raises(CodegenDirError, match=r"graph.json does not match the sha256"):
+        new_context().load_codegen_dir(second)
+
+
+def test_a_truncated_specs_file_is_refused(tmp_path):
+    path = small_codegen_dir(tmp_path / "codegen")
+    text = (path / "specs.json").read_text()
+    (path / "specs.json").write_text(text[: len(text) // 2])
+    with pytest.raises(CodegenDirError, match=r"specs.json is not valid JSON"):
+        new_context().load_codegen_dir(path)
+
+
+@pytest.mark.parametrize("key", ["inputs", "outputs", "state", "preset", "sha256"])
+def test_a_specs_file_missing_a_key_is_refused(tmp_path, key):
+    path = small_codegen_dir(tmp_path / "codegen")
+    edit_specs(path, lambda s: s.pop(key))
+    with pytest.raises(CodegenDirError, match=rf"specs.json has no key '{key}'"):
+        new_context().load_codegen_dir(path)
+
+
+@pytest.mark.parametrize("version", [0, 1, 3, "2", None])
+def test_a_codegen_dir_of_another_format_version_is_refused(tmp_path, version):
+    path = small_codegen_dir(tmp_path / "codegen")
+    edit_specs(path, lambda s: s.update(format=version))
+    with pytest.raises(CodegenDirError, match=r"specs.json: codegen format .* compile the step"):
+        new_context().load_codegen_dir(path)
+
+
+def test_a_partial_captured_file_is_refused(tmp_path):
+    path = small_codegen_dir(tmp_path / "codegen")
+    data = (path / "captured.pt").read_bytes()
+    (path / "captured.pt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CodegenDirError, match=r"captured.pt does not match the sha256"):
+        new_context().load_codegen_dir(path)
+    (path / "captured.pt").unlink()
+    with pytest.raises(CodegenDirError, match=r"captured.pt is missing"):
+        new_context().load_codegen_dir(path)
+
+
+def test_an_interrupted_compile_leaves_the_previous_codegen_dir_whole(tmp_path, monkeypatch):
+    path = small_codegen_dir(tmp_path / "codegen")
+    before = {p.name: p.read_bytes() for p in path.iterdir()}
+
+    real_write_text = Path.write_text
+
+    def interrupted(self, text, *args, **kwargs):
+        if self.name == "specs.json":  # graph.json and captured.pt of the new compile written
+            raise KeyboardInterrupt
+        return real_write_text(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        small_codegen_dir(path, scale=(5.0, 7.0))
+    monkeypatch.undo()
+
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["codegen"]  # no staging dir left
+    loaded = new_context().load_codegen_dir(path)
+    assert torch.equal(loaded({"x": torch.ones(4, 2)})["y"], torch.tensor([[3.0, 4.0]] * 4))
+
+
+def test_recompiling_into_a_codegen_dir_replaces_only_its_own_files(tmp_path):
+    path = small_codegen_dir(tmp_path / "codegen")
+    (path / "notes.txt").write_text("mine")
+    (path / "graph.pt").write_bytes(b"format 1 leftover")
+    small_codegen_dir(path, scale=(5.0, 7.0))
+    assert (path / "notes.txt").read_text() == "mine"
+    assert not (path / "graph.pt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["codegen"]
+    loaded = new_context().load_codegen_dir(path)
+    assert torch.equal(loaded({"x": torch.ones(4, 2)})["y"], torch.tensor([[6.0, 8.0]] * 4))
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda s: s["inputs"]["x"].update(dtype="load"),
+        lambda s: s["inputs"]["x"].update(shape="4, 2"),
+        lambda s: s["state"][0].update(kind="executable"),
+        lambda s: s["preset"].update(surprise=1),
+    ],
+)
+def test_a_specs_file_with_malformed_values_is_refused(tmp_path, edit):
+    path = small_codegen_dir(tmp_path / "codegen")
+    edit_specs(path, edit)
+    with pytest.raises(CodegenDirError, match=r"specs.json is malformed"):
+        new_context().load_codegen_dir(path)

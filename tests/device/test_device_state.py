@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
@@ -256,3 +258,50 @@ def test_synchronize_of_an_unregistered_tensor_names_it(context):
     set_tensor_name(stray, "stray")
     with pytest.raises(RegistrationError, match="stray"):
         context.synchronize([stray])
+
+
+# --- outputs never alias device memory ------------------------------------------------------
+
+
+def _returns_updated_weight(model, optimizer):
+    def step(batch):
+        optimizer.zero_grad()
+        loss = cross_entropy(model, batch)
+        loss.backward()
+        optimizer.step()
+        return {"loss": loss, "weight": model.weight, "weight_t": model.weight.t()}
+
+    return step
+
+
+def _returns_weight_unchanged(model, optimizer):
+    del optimizer
+    return lambda batch: {"weight": model.weight, "bias": model.bias[:2], "y": model(batch["x"])}
+
+
+@pytest.mark.parametrize("preset", ["O0", "debug", "O1"])
+@pytest.mark.parametrize("make_step", [_returns_updated_weight, _returns_weight_unchanged])
+def test_editing_a_returned_tensor_in_place_never_changes_device_state(context, preset, make_step):
+    """A step that returns a registered tensor (updated, unchanged, or a view of it): the
+    caller's in-place edits of the result stay in the caller's copy."""
+    model = nn.Linear(4, 3)
+    reference = twin(model)
+    optimizer = make_sgd(model.parameters(), 0.1, 0.9)
+    register(context, model, optimizer)
+    batches = classification_batches(3, 8, 4, 3)
+    compiled = context.compile(
+        make_step(model, optimizer), batches[0], options={"option_json": preset}
+    )
+    for batch in batches:
+        for value in compiled(batch).values():
+            value.add_(1000.0)  # the caller scribbles on every result
+    context.synchronize()
+
+    reference_optimizer = make_sgd(reference.parameters(), 0.1, 0.9)
+    step = make_step(reference, reference_optimizer)
+    with torch.no_grad() if make_step is _returns_weight_unchanged else contextlib.nullcontext():
+        for batch in batches:
+            step(batch)
+    assert_state_close(model, reference)
+    weights = compiled(batches[0])["weight"]
+    assert torch.equal(weights, context.get_registered_value_proxy(model.weight).cpu())

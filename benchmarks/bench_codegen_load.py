@@ -1,0 +1,95 @@
+"""Cold compile vs `load_codegen_dir` of an Inductor preset, each in a fresh process.
+
+Compiles a training step (the tutorial MLP 1024-256-10, batch 64, or a torchvision ResNet-18,
+batch 8 of 3x32x32; SGD with momentum) into a codegen dir with an empty Inductor cache, then
+loads that dir twice in new processes sharing the cache, and prints the seconds of each.
+
+    python benchmarks/bench_codegen_load.py [--model mlp|resnet18] [--preset O1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def run_one(mode: str, model_name: str, preset: str, codegen: str) -> dict:
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    from mncore_device import (
+        Context,
+        MNDevice,
+        set_buffer_name_in_optimizer,
+        set_tensor_name_in_module,
+    )
+
+    torch.manual_seed(0)
+    if model_name == "mlp":
+        model = nn.Sequential(nn.Linear(1024, 256), nn.ReLU(), nn.Linear(256, 10))
+        batch = {"x": torch.randn(64, 1024), "t": torch.randint(0, 10, (64,))}
+    else:
+        import torchvision
+
+        model = torchvision.models.resnet18(num_classes=10)
+        batch = {"x": torch.randn(8, 3, 32, 32), "t": torch.randint(0, 10, (8,))}
+    optimizer = torch.optim.SGD(model.parameters(), 0.1, 0.9)
+    for p in model.parameters():
+        optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+    context = Context(MNDevice("pfvm:cpu"))
+    Context.switch_context(context)
+    set_tensor_name_in_module(model, "model")
+    for p in model.parameters():
+        context.register_param(p)
+    for b in model.buffers():
+        context.register_buffer(b)
+    set_buffer_name_in_optimizer(optimizer, "optimizer")
+    context.register_optimizer_buffers(optimizer)
+
+    def step(b):
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(b["x"]), b["t"])
+        loss.backward()
+        optimizer.step()
+        return {"loss": loss}
+
+    start = time.perf_counter()
+    if mode == "compile":
+        compiled = context.compile(step, batch, codegen, options={"option_json": preset})
+    else:
+        compiled = context.load_codegen_dir(codegen)
+    seconds = time.perf_counter() - start
+    return {"mode": mode, "seconds": round(seconds, 2), "loss": compiled(batch)["loss"].item()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["mlp", "resnet18"], default="mlp")
+    parser.add_argument("--preset", default="O1")
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(run_one(args.child[0], args.model, args.preset, args.child[1])))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "inductor")}
+        codegen = str(Path(tmp) / "codegen")
+        for mode in ("compile", "load", "load"):
+            command = [sys.executable, __file__, "--model", args.model, "--preset", args.preset]
+            out = subprocess.run(
+                [*command, "--child", mode, codegen], env=env, capture_output=True, text=True
+            )
+            if out.returncode:
+                sys.exit(out.stderr)
+            print(out.stdout.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":
+    main()
