@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -22,10 +23,11 @@ import torch
 from lightning.pytorch.utilities.data import extract_batch_size
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from mncore_device import CompiledFunction, Context, StaticGraphError
-from mncore_device._source import user_frame
+from mncore_device import CompiledFunction, Context
 
 from .carried_state import CarriedState
+from .optimizers import LiveHyperparameter, live_hyperparameters
+from .step_counters import COUNTER_PREFIX, COUNTERS, LiveCounter, counter_inputs, live_counters
 
 LOG_PREFIX = "log/"
 OUTPUT_PREFIX = "out/"
@@ -36,32 +38,10 @@ GRAD_PREFIX = "grad/"
 @dataclass
 class _LogCall:
     name: str
-    key: str | None  # graph output holding the value, or None for a constant
-    constant: Any
+    key: str | None  # graph output holding the value, or None for a host value
+    constant: Any  # the value, or a callable giving the live value at replay
     args: tuple
     kwargs: dict
-
-
-class TraceTimeIndex(int):
-    """`batch_idx` / `dataloader_idx` while a hook is traced.
-
-    The graph is traced once, so a Python value that changes every batch would be frozen
-    into it. Passing the index through is fine; computing with it raises.
-    """
-
-    def _frozen(self, *args: Any) -> Any:
-        raise StaticGraphError(
-            f"the step computes with its batch index (it was {int.__repr__(self)} when the step was traced) "
-            f"at {user_frame() or '<unknown location>'}. A compiled step is traced once, so this "
-            "value would be frozen into the graph. Move batch-dependent logic out of the step "
-            "(e.g. into on_train_batch_start), or compute it from tensors in the batch."
-        )
-
-    __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = _frozen
-    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _frozen
-    __mod__ = __rmod__ = __floordiv__ = __rfloordiv__ = __truediv__ = __rtruediv__ = _frozen
-    __pow__ = __bool__ = __index__ = __int__ = __float__ = _frozen
-    __hash__ = int.__hash__
 
 
 class LogRecorder:
@@ -83,9 +63,17 @@ class LogRecorder:
             key = LOG_PREFIX + name
             self.tensors[key] = value.detach()
             self.calls.append(_LogCall(name, key, None, args, kwargs))
-        elif isinstance(value, TraceTimeIndex):
-            value._frozen()
+        elif isinstance(value, LiveCounter):  # the counter's value at each call
+            self.calls.append(_LogCall(name, None, _counter_reader(value.name), args, kwargs))
+        elif isinstance(value, LiveHyperparameter):  # e.g. the learning rate, as it is now
+            self.calls.append(_LogCall(name, None, value.reader, args, kwargs))
         elif isinstance(value, numbers.Number):
+            warnings.warn(
+                f"self.log({name!r}, {value!r}) inside a compiled step logs the value the step "
+                "was traced with at every step. Log a tensor computed in the step, or log this "
+                "value from a hook outside the step.",
+                stacklevel=2,
+            )
             self.calls.append(_LogCall(name, None, value, args, kwargs))
         else:
             raise TypeError(
@@ -94,11 +82,22 @@ class LogRecorder:
                 "compute it in the step (metric(preds, target)) or log it from an epoch-end hook."
             )
 
-    def replay(self, module: Any, outputs: Mapping[str, torch.Tensor]) -> None:
+    def replay(
+        self, module: Any, outputs: Mapping[str, torch.Tensor], counters: Mapping[str, int]
+    ) -> None:
         log = module.log
         for call in self.calls:
-            value = outputs[call.key] if call.key is not None else call.constant
+            if call.key is not None:
+                value = outputs[call.key]
+            elif callable(call.constant):
+                value = call.constant(counters)
+            else:
+                value = call.constant
             log(call.name, value, *call.args, **call.kwargs)
+
+
+def _counter_reader(name: str) -> Callable[[Mapping[str, int]], int]:
+    return lambda counters: counters[name]
 
 
 @contextlib.contextmanager
@@ -176,9 +175,11 @@ class CompiledHook:
         to_host: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
         gradient_params: dict[str, torch.Tensor],
         carried: CarriedState,
+        extra_args: tuple,
     ) -> None:
         self.compiled = compiled
         self.carried = carried
+        self.extra_args = extra_args[1:]  # what follows batch_idx (dataloader_idx), fixed
         self.layout = layout
         self.recorder = recorder
         self.returned = returned
@@ -187,12 +188,15 @@ class CompiledHook:
         # (param, the gradient the last call computed, 0): see MNCoreStrategy.install_gradients
         self.gradients: list[tuple[torch.Tensor, torch.Tensor, int]] = []
 
-    def __call__(self, module: Any, inputs: dict[str, torch.Tensor]) -> Any:
+    def __call__(
+        self, module: Any, inputs: dict[str, torch.Tensor], counters: dict[str, int]
+    ) -> Any:
+        inputs = {**inputs, **counter_inputs(counters)}
         if self.carried.slots:
-            inputs = {**inputs, **self.carried.inputs()}
+            inputs.update(self.carried.inputs())
         outputs = self.to_host(self.compiled(inputs))
         self.carried.replay(outputs)
-        self.recorder.replay(module, outputs)
+        self.recorder.replay(module, outputs, counters)
         if self.gradient_params:
             self.gradients = [(p, outputs[k], 0) for k, p in self.gradient_params.items()]
         return self.returned.rebuild(outputs)
@@ -208,6 +212,7 @@ def compile_hook(
     optimizer: torch.optim.Optimizer | None,
     gradient_clipping: tuple[float | None, str | None] = (None, None),
     return_gradients: bool = False,
+    counters: Mapping[str, int],
     options: Mapping[str, Any],
     codegen_dir: Any = None,
     cache_options: Any = None,
@@ -221,7 +226,6 @@ def compile_hook(
     batch.
     """
     layout, inputs = BatchLayout.of(batch)
-    extra_args = tuple(TraceTimeIndex(a) if type(a) is int else a for a in extra_args)
     recorder = LogRecorder(_static_batch_size(batch))
     returned = _Returned()
     gradient_params: dict[str, torch.Tensor] = {}
@@ -231,13 +235,23 @@ def compile_hook(
     def step(graph_inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         batch = layout.rebuild(graph_inputs)
         carried.bind(graph_inputs)
-        if optimizer is None:
-            with torch.no_grad(), recording_logs(module, recorder):
-                output = hook(batch, *extra_args)
-            return {**recorder.tensors, **returned.capture(output), **carried.capture()}
+        live = {
+            name: LiveCounter(counters[name], name, graph_inputs[COUNTER_PREFIX + name])
+            for name in COUNTERS
+        }
+        # batch_idx follows the batch; dataloader_idx is fixed per compiled hook
+        args = (live["batch_idx"], *extra_args[1:]) if extra_args else ()
+        with live_counters(module, live), live_hyperparameters():
+            if optimizer is None:
+                with torch.no_grad(), recording_logs(module, recorder):
+                    output = hook(batch, *args)
+                return {**recorder.tensors, **returned.capture(output), **carried.capture()}
+            return train(batch, args)
+
+    def train(batch: Any, args: tuple) -> dict[str, torch.Tensor]:
         optimizer.zero_grad(set_to_none=True)
         with recording_logs(module, recorder):
-            output = hook(batch, *extra_args)
+            output = hook(batch, *args)
         module.backward(_loss_of(output))
         gradients = {}
         if return_gradients:  # copies: clipping and the update change the grads in place
@@ -258,14 +272,16 @@ def compile_hook(
         with torch.inference_mode(False):
             compiled = context.compile(
                 step,
-                {**inputs, **carried.inputs()},
+                {**inputs, **counter_inputs(counters), **carried.inputs()},
                 codegen_dir,
                 options=dict(options),
                 cache_options=cache_options,
             )
     finally:
         carried.restore()
-    hook = CompiledHook(compiled, layout, recorder, returned, to_host, gradient_params, carried)
+    hook = CompiledHook(
+        compiled, layout, recorder, returned, to_host, gradient_params, carried, extra_args
+    )
     return hook, inputs
 
 

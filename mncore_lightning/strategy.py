@@ -245,6 +245,7 @@ class MNCoreStrategy(SingleDeviceStrategy):
         batch, rest = args[0], args[1:]
         module = self.lightning_module
         self._push_host_edits()  # may re-register a module whose structure changed
+        counters = self._counters(rest)
         carried = carried_signature(module)
         if self._train_hook is not None and self._train_hook.carried.signature != carried:
             # carried tensors changed structure (None -> a tensor, say): a step traced for
@@ -268,6 +269,7 @@ class MNCoreStrategy(SingleDeviceStrategy):
                 optimizer=optimizer,
                 gradient_clipping=(trainer.gradient_clip_val, trainer.gradient_clip_algorithm),
                 return_gradients=bool(self._user_hooks.intersection(GRADIENT_HOOKS)),
+                counters=counters,
             )
             self._train_hooks[carried] = self._train_hook
         else:
@@ -277,7 +279,7 @@ class MNCoreStrategy(SingleDeviceStrategy):
                     "the training batch changed structure after the step was compiled "
                     f"(compiled for {self._train_hook.layout.spec}, got {layout.spec})"
                 )
-        result = self._train_hook(module, inputs)
+        result = self._train_hook(module, inputs, counters)
         self._device_is_newer = True
         self._gradients = self._train_hook.gradients
         self.compiled_calls += 1
@@ -294,24 +296,36 @@ class MNCoreStrategy(SingleDeviceStrategy):
 
     def _eval_step(self, hook_name: str, args: tuple) -> Any:
         """Each stage (sanity check, validate, test, predict) has its own compiled functions:
-        one per batch shape, so a ragged last batch costs one more compile."""
+        one per batch shape (and dataloader), so a ragged last batch costs one more compile."""
         batch, rest = args[0], args[1:]
         self._push_host_edits()  # an EMA or SWA swap, say: evaluate the weights the host holds
+        counters = self._counters(rest)
         layout, inputs = BatchLayout.of(batch)
         hooks = self._eval_hooks.setdefault(self._stage(), [])
         carried = carried_signature(self.lightning_module)
         for hook in hooks:
             if (
                 hook.layout == layout
+                and hook.extra_args == rest[1:]
                 and hook.carried.signature == carried
                 and _matches(hook, inputs)
             ):
                 break
         else:
-            hook, inputs = self._compile(hook_name, batch, rest, optimizer=None)
+            hook, inputs = self._compile(hook_name, batch, rest, optimizer=None, counters=counters)
             hooks.append(hook)
         self.compiled_calls += 1
-        return hook(self.lightning_module, inputs)
+        return hook(self.lightning_module, inputs, counters)
+
+    def _counters(self, rest: tuple) -> dict[str, int]:
+        """The step counters a compiled step reads live (step_counters.py)."""
+        trainer = self.lightning_module.trainer
+        batch_idx = rest[0] if rest and isinstance(rest[0], int) else 0
+        return {
+            "batch_idx": batch_idx,
+            "global_step": trainer.global_step,
+            "current_epoch": trainer.current_epoch,
+        }
 
     def _compile(self, hook_name: str, batch: Any, rest: tuple, **kwargs: Any):
         """Trace and compile one hook. Tracing restores the host tensors it ran on, which

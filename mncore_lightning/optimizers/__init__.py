@@ -6,13 +6,15 @@ which the device notices), create their state at construction, never read a tens
 to the host, and keep torch.optim's state_dict layout.
 """
 
-from ._base import MNCoreOptimizer, ParamGroup
+from ._base import LiveHyperparameter, MNCoreOptimizer, ParamGroup, live_hyperparameters
 from ._convert import TORCH_EQUIVALENTS, device_optimizer, from_torch, to_mlsdk_optimizer
 from .adam import MNCoreAdam, MNCoreAdamW
 from .sgd import MNCoreSGD
 
 __all__ = [
     "TORCH_EQUIVALENTS",
+    "LiveHyperparameter",
+    "live_hyperparameters",
     "device_optimizer",
     "to_mlsdk_optimizer",
     "MNCoreAdam",

@@ -16,7 +16,8 @@ MN-Core optimizer and its torch.optim counterpart.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -55,6 +56,33 @@ def _to_number(value: Any) -> Any:
     return value
 
 
+class LiveHyperparameter(float):
+    """A hyperparameter read from a param group while a step is traced (`group["lr"]`).
+
+    It is the float it was, so the step computes with it as before; `reader` gives the value
+    the group holds later, so that `self.log("lr", group["lr"])` logs the current learning rate
+    at every step rather than the trace-time one.
+    """
+
+    def __new__(cls, value: float, group: ParamGroup, key: str) -> LiveHyperparameter:
+        number = super().__new__(cls, value)
+        number.reader = lambda _counters=None: dict.__getitem__(group, key)
+        return number
+
+
+_tracing = [False]
+
+
+@contextlib.contextmanager
+def live_hyperparameters() -> Iterator[None]:
+    """While a step is traced: hyperparameters read from param groups are LiveHyperparameters."""
+    previous, _tracing[0] = _tracing[0], True
+    try:
+        yield
+    finally:
+        _tracing[0] = previous
+
+
 class ParamGroup(dict[str, Any]):
     """A torch.optim param group whose hyperparameters are mirrored into 0-d tensors.
 
@@ -87,6 +115,12 @@ class ParamGroup(dict[str, Any]):
                 if tensor is None:
                     tensor = torch.empty((), dtype=dtype, device=device)
                 self.tensors[name] = tensor.fill_(value)
+
+    def __getitem__(self, key: str) -> Any:
+        value = dict.__getitem__(self, key)
+        if _tracing[0] and type(value) is float:
+            return LiveHyperparameter(value, self, key)
+        return value
 
     def __setitem__(self, key: str, value: Any) -> None:
         if key not in HYPERPARAMETER_KEYS:
