@@ -27,7 +27,8 @@ from enum import Enum
 
 import torch
 import torch.fx as fx
-from torch._decomp import get_decompositions
+from torch._decomp import decompositions, get_decompositions
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import (
     disable_proxy_modes_tracing,
@@ -62,7 +63,7 @@ _DATA_DEPENDENT_OPS = {
     "int(t), bool(t), `if t:`)",
     aten.is_nonzero.default: "branches on a tensor's value (`if t:`, `while t:`)",
     aten.equal.default: "compares tensors on the host (torch.equal)",
-    aten.nonzero.default: "produces a value-dependent shape (nonzero, boolean indexing)",
+    aten.nonzero.default: "produces a value-dependent shape (nonzero)",
     aten.masked_select.default: "produces a value-dependent shape (masked_select)",
     aten._unique2.default: "produces a value-dependent shape (unique)",
     aten.unique_consecutive.default: "produces a value-dependent shape (unique_consecutive)",
@@ -193,7 +194,10 @@ class _TraceGuard(TorchDispatchMode):
         for value in written:
             if not _is_traced(value, tracer):
                 self._save(value)
-        result = func(*args, **kwargs)
+        if written and torch.Tag.nondeterministic_seeded in func.tags:
+            result = _draw_in_memory_order(func, args, kwargs)
+        else:
+            result = func(*args, **kwargs)
         constant = (
             constant or func in (aten.lift_fresh.default, aten.lift_fresh_copy.default)
         ) and torch.Tag.nondeterministic_seeded not in func.tags
@@ -293,12 +297,34 @@ class _TraceGuard(TorchDispatchMode):
         self.saved.clear()
 
 
+def _draw_in_memory_order(func, args, kwargs):
+    """A random in-place fill (dropout's bernoulli_) of a non-contiguous tensor, done on a view
+    whose logical order is the tensor's memory order.
+
+    Eager PyTorch draws in memory order; functionalization turns the fill into an out-of-place
+    op that draws into a new contiguous tensor, in logical order. Through the view both orders
+    agree, so the compiled step draws the same mask as eager PyTorch (a transposed attention
+    output, say)."""
+    target = args[0]
+    if (
+        target.is_contiguous()
+        or any(isinstance(t, torch.Tensor) for t in tree_leaves((args[1:], kwargs)))
+        or not is_non_overlapping_and_dense_or_false(target)
+    ):
+        return func(*args, **kwargs)
+    view = target.permute(sorted(range(target.dim()), key=lambda d: -target.stride(d)))
+    if not view.is_contiguous():
+        return func(*args, **kwargs)
+    func(view, *args[1:], **kwargs)
+    return target
+
+
 def _one_hot(tensor, num_classes=-1):
     """F.one_hot as torch.compile traces it: the range check runs in the graph
     (_assert_async) instead of reading the tensor on the host."""
     if num_classes < 0:  # the result's shape depends on the values: leave it to the guard
         return torch.nn.functional.one_hot(tensor, num_classes)
-    return torch._decomp.decompositions.one_hot(tensor, num_classes)
+    return decompositions.one_hot(tensor, num_classes)
 
 
 class _TracingSafeFunctions(TorchFunctionMode):
