@@ -10,6 +10,11 @@ new value that the graph returns. The result has the signature
 
 Real-mode tracing executes the step once; every tensor it touched is restored afterwards,
 and so is the random number generator, so tracing leaves no trace on the host.
+
+Host reads (`.item()`, `if t:`, torch.equal) are folded at trace time when the tensor read is
+computed only from constants and shapes (a causal mask from torch.ones); a read of a value that
+depends on the batch or on state raises StaticGraphError at the user's line. While the step is
+traced, `torch.compiler.is_compiling()` is true, so libraries take their tracing-safe paths.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from enum import Enum
 
 import torch
 import torch.fx as fx
-from torch._decomp import get_decompositions
+from torch._decomp import decompositions, get_decompositions
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import (
     disable_proxy_modes_tracing,
@@ -31,8 +37,11 @@ from torch.fx.experimental.proxy_tensor import (
     get_proxy_slot,
     make_fx,
 )
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ._source import user_frame, user_frame_summary
 from .errors import StaticGraphError
@@ -55,11 +64,12 @@ _DATA_DEPENDENT_OPS = {
     "int(t), bool(t), `if t:`)",
     aten.is_nonzero.default: "branches on a tensor's value (`if t:`, `while t:`)",
     aten.equal.default: "compares tensors on the host (torch.equal)",
-    aten.nonzero.default: "produces a value-dependent shape (nonzero, boolean indexing)",
+    aten.nonzero.default: "produces a value-dependent shape (nonzero)",
     aten.masked_select.default: "produces a value-dependent shape (masked_select)",
     aten._unique2.default: "produces a value-dependent shape (unique)",
     aten.unique_consecutive.default: "produces a value-dependent shape (unique_consecutive)",
 }
+_BOOLEAN_MASK_HINT = "indexes with a boolean mask (x[mask]): the result's shape depends on the mask"
 # native_batch_norm updates running stats in place in a way functionalization leaves alone;
 # its decomposition uses _native_batch_norm_legit, which functionalizes into new values.
 _DECOMPOSITIONS = get_decompositions([aten.native_batch_norm.default])
@@ -127,7 +137,7 @@ def trace_step(
 
     def flat_step(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         batch = dict(zip(input_keys, args[len(reg_tensors) :], strict=True))
-        with guard:
+        with _compiling(), _TracingSafeFunctions(), guard:
             result = function(batch)
         output_specs.update((k, TensorSpec.of(v)) for k, v in _check_outputs(result).items())
         return tuple(result[k] for k in output_specs)
@@ -168,36 +178,113 @@ def trace_step(
 class _TraceGuard(TorchDispatchMode):
     """Runs in front of make_fx's proxy mode while the user function executes.
 
-    It rejects value-dependent control flow on traced tensors (pointing at the user's line),
-    and snapshots any untraced tensor before its first in-place update, so that tracing has
-    no side effect on tensors that the Context does not know.
+    It tracks which tensors are computed only from constants and shapes ("constant": made
+    inside the step by deterministic ops from constants alone; never state, batch inputs,
+    tensors from outside the step or random draws). A host read of a constant tensor is folded:
+    evaluated on its real value, with nothing recorded. A host read of any other traced tensor
+    raises StaticGraphError at the user's line. It also snapshots any untraced tensor before
+    its first in-place update, so that tracing has no side effect on tensors that the Context
+    does not know.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.constant = WeakIdKeyDictionary()
+        self.overwritten: set[StorageWeakRef] = set()  # storages written with non-constants
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tracer = get_proxy_mode().tracer
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        if func in _DATA_DEPENDENT_OPS and any(_is_traced(t, tracer) for t in tensors):
-            where = user_frame() or "<unknown location>"
-            raise StaticGraphError(
-                f"the step {_DATA_DEPENDENT_OPS[func]} at {where}. A compiled step is one static "
-                "graph: Python control flow is fixed at trace time and cannot depend on tensor "
-                "values. Compute with tensors instead (torch.where, masks, clamp), or move this "
-                "code out of the compiled step."
-            )
-        if func._schema.is_mutable:
-            # args may stop before the schema's trailing defaulted arguments
-            for arg, value in zip(func._schema.arguments, args, strict=False):
-                written = arg.alias_info is not None and arg.alias_info.is_write
-                if written and isinstance(value, torch.Tensor) and not _is_traced(value, tracer):
-                    self._save(value)
-        result = func(*args, **kwargs)
+        constant = all(self._is_constant(t) for t in tensors)
+        if func in _DATA_DEPENDENT_OPS:
+            if not all(self._is_constant(t) or not _is_traced(t, tracer) for t in tensors):
+                self._refuse(_DATA_DEPENDENT_OPS[func])
+            with disable_proxy_modes_tracing():  # folded: evaluated now, nothing recorded
+                result = func(*args, **kwargs)
+            self._mark(result, constant)
+            return result
+        if func is aten.index.Tensor:
+            args = (args[0], self._integer_indices(args[1], tracer), *args[2:])
+        written = self._written(func, args)
+        for value in written:
+            if not _is_traced(value, tracer):
+                self._save(value)
+        if written and torch.Tag.nondeterministic_seeded in func.tags:
+            result = _draw_in_memory_order(func, args, kwargs)
+        else:
+            result = func(*args, **kwargs)
+        constant = (
+            constant or func in (aten.lift_fresh.default, aten.lift_fresh_copy.default)
+        ) and torch.Tag.nondeterministic_seeded not in func.tags
+        self._mark(result, constant)
+        if not constant:
+            for value in written:
+                self.constant.pop(value, None)
+                self.overwritten.add(StorageWeakRef(value.untyped_storage()))
         self._record_source(result, tracer)
         return result
+
+    def _is_constant(self, tensor: torch.Tensor) -> bool:
+        return (
+            tensor in self.constant
+            and StorageWeakRef(tensor.untyped_storage()) not in self.overwritten
+        )
+
+    def _mark(self, result, constant: bool) -> None:
+        if constant:
+            for value in tree_leaves(result):
+                if isinstance(value, torch.Tensor):
+                    self.constant[value] = True
+
+    @staticmethod
+    def _written(func, args) -> list[torch.Tensor]:
+        """The tensors that an in-place or out= op writes."""
+        if not func._schema.is_mutable:
+            return []
+        # args may stop before the schema's trailing defaulted arguments
+        return [
+            value
+            for arg, value in zip(func._schema.arguments, args, strict=False)
+            if arg.alias_info is not None
+            and arg.alias_info.is_write
+            and isinstance(value, torch.Tensor)
+        ]
+
+    def _integer_indices(self, indices, tracer) -> list:
+        """x[mask]: a constant mask becomes its (constant) integer indices, a fixed-size
+        selection; a mask that depends on the batch or state cannot be one static graph."""
+        result = []
+        for index in indices:
+            if index is None or index.dtype not in (torch.bool, torch.uint8):
+                result.append(index)
+            elif self._is_constant(index) or not _is_traced(index, tracer):
+                with disable_proxy_modes_tracing():
+                    positions = index.bool().nonzero().unbind(1)
+                self._mark(positions, constant=True)
+                result.extend(positions)
+            else:
+                self._refuse(
+                    _BOOLEAN_MASK_HINT,
+                    "Keep the shape fixed: torch.where(mask, x, 0) (with a masked sum or mean), "
+                    "or a fixed-size selection (topk, gather with integer indices).",
+                )
+        return result
+
+    @staticmethod
+    def _refuse(what: str, advice: str | None = None) -> None:
+        where = user_frame() or "<unknown location>"
+        raise StaticGraphError(
+            f"the step {what} at {where}. A compiled step is one static graph: its control flow "
+            "and shapes are fixed at trace time and cannot depend on the values of the batch or "
+            "of state. "
+            + (
+                advice
+                or "Compute with tensors instead (torch.where, masks, clamp), or move this code "
+                "out of the compiled step."
+            )
+        )
 
     @staticmethod
     def _record_source(result, tracer) -> None:
@@ -225,6 +312,58 @@ class _TraceGuard(TorchDispatchMode):
             for tensor, value in self.saved.values():
                 tensor.copy_(value)
         self.saved.clear()
+
+
+def _draw_in_memory_order(func, args, kwargs):
+    """A random in-place fill (dropout's bernoulli_) of a non-contiguous tensor, done on a view
+    whose logical order is the tensor's memory order.
+
+    Eager PyTorch draws in memory order; functionalization turns the fill into an out-of-place
+    op that draws into a new contiguous tensor, in logical order. Through the view both orders
+    agree, so the compiled step draws the same mask as eager PyTorch (a transposed attention
+    output, say)."""
+    target = args[0]
+    if (
+        target.is_contiguous()
+        or any(isinstance(t, torch.Tensor) for t in tree_leaves((args[1:], kwargs)))
+        or not is_non_overlapping_and_dense_or_false(target)
+    ):
+        return func(*args, **kwargs)
+    view = target.permute(sorted(range(target.dim()), key=lambda d: -target.stride(d)))
+    if not view.is_contiguous():
+        return func(*args, **kwargs)
+    func(view, *args[1:], **kwargs)
+    return target
+
+
+def _one_hot(tensor, num_classes=-1):
+    """F.one_hot as torch.compile traces it: the range check runs in the graph
+    (_assert_async) instead of reading the tensor on the host."""
+    if num_classes < 0:  # the result's shape depends on the values: leave it to the guard
+        return torch.nn.functional.one_hot(tensor, num_classes)
+    return decompositions.one_hot(tensor, num_classes)
+
+
+class _TracingSafeFunctions(TorchFunctionMode):
+    """Functions whose eager kernel checks values on the host although the result's shape is
+    known run torch's own tracing-safe decomposition instead, so the check does not stop a
+    step."""
+
+    _REPLACEMENTS = {torch.nn.functional.one_hot: _one_hot}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return self._REPLACEMENTS.get(func, func)(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _compiling():
+    """`torch.compiler.is_compiling()` is true while the step is traced."""
+    previous = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = previous
 
 
 def _is_traced(tensor: torch.Tensor, tracer) -> bool:

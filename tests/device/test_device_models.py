@@ -82,3 +82,24 @@ def test_o0_dropout_matches_eager_with_the_same_seed(context, batch):
     torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_dropout_of_a_transposed_tensor_matches_eager_with_the_same_seed(context):
+    """Eager PyTorch fills dropout's mask in the memory order of a non-contiguous input (the
+    transposed output of batch_first attention); the compiled step draws the same mask."""
+    model = torch.nn.Linear(8, 8)
+    optimizer = make_sgd(model.parameters(), 0.1, 0.0)
+    register(context, model, optimizer)
+
+    def loss_fn(model, batch):
+        hidden = model(batch["x"]).transpose(0, 1)  # (5, 3, 8), strides (8, 40, 1)
+        return torch.nn.functional.dropout(hidden, 0.5).pow(2).mean()
+
+    batches = [{"x": torch.randn(3, 5, 8)} for _ in range(3)]
+    reference = twin(model)
+    compiled = compile_o0(context, training_step(model, optimizer, loss_fn), batches[0])
+    torch.manual_seed(5)
+    losses = device_train(compiled, batches)
+    torch.manual_seed(5)
+    expected = eager_train(reference, make_sgd(reference.parameters(), 0.1, 0.0), loss_fn, batches)
+    torch.testing.assert_close(losses, expected, rtol=0, atol=1e-6)
