@@ -23,8 +23,9 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 CARRY_PREFIX = "carry/"
 
-# Attributes of Lightning's own that hold tensors but are no state of the step.
-_NOT_CARRIED = frozenset({"_example_input_array"})
+# nn.Module's own bookkeeping (its _buffers dict holds tensors, but they are registered
+# state), and attributes of Lightning's own that hold tensors but are no state of the step.
+_NOT_CARRIED = frozenset(vars(torch.nn.Module())) | {"_example_input_array"}
 
 
 def _tensor_tree(value: Any) -> tuple[list[torch.Tensor], TreeSpec] | None:

@@ -110,3 +110,11 @@ def test_an_unregistered_tensor_updated_in_place_is_carried():
     _assert_same_run(cpu, mn)
     torch.testing.assert_close(cpu[1].total, mn[1].total, atol=ATOL, rtol=0)
     assert mn[1].total.item() > 0
+
+
+def test_registered_buffers_are_not_carried_as_attributes():
+    from mncore_lightning.carried_state import tensor_attributes
+
+    model = LitClassifier(net="bn")
+    assert tensor_attributes(model) == {}  # BatchNorm's buffers are registered device state
+    assert any(True for _ in model.buffers())
