@@ -39,8 +39,9 @@ from .carried_state import signature as carried_signature
 from .compiled_hooks import BatchLayout, CompiledHook, compile_hook
 from .data import with_drop_last
 from .device_selection import resolve_device, resolve_preset
+from .guards import carried_change, describe_change, structure_of
 from .host_sync import GRADIENT_HOOKS, HostSync, HostVersions, overridden_hooks
-from .optimizers import device_optimizer
+from .optimizers import MNCoreOptimizer, device_optimizer
 from .optimizers._convert import track_step_calls
 from .precision import MNCorePrecision
 
@@ -196,6 +197,8 @@ class MNCoreStrategy(SingleDeviceStrategy):
         for buffer in module.buffers():
             self.context.register_buffer(buffer)
         for index, optimizer in enumerate(self.optimizers):
+            if isinstance(optimizer, MNCoreOptimizer):
+                optimizer.ensure_state()
             set_buffer_name_in_optimizer(optimizer, f"optimizer{index or ''}")
             self.context.register_optimizer_buffers(optimizer)
         self._train_hook = None
@@ -203,7 +206,7 @@ class MNCoreStrategy(SingleDeviceStrategy):
         self._eval_hooks = {}
         self._device_is_newer = False
         self._host_versions = HostVersions(list(self.context.registered_tensors().values()))
-        self._structure = _structure_of(module)
+        self._structure = structure_of(module, self.optimizers)
         trainer = module.trainer
         if self._host_sync not in trainer.callbacks:
             self._user_hooks = overridden_hooks(module, trainer.callbacks)
@@ -214,7 +217,7 @@ class MNCoreStrategy(SingleDeviceStrategy):
     def _check_structure(self) -> None:
         """After a user hook ran: a module whose structure changed (pruning's parameters and
         masks, parametrizations, hooks added) is registered again and its steps re-traced."""
-        structure = _structure_of(self.lightning_module)
+        structure = structure_of(self.lightning_module, self.optimizers)
         if structure == self._structure:
             return
         before, after = self._structure, structure
@@ -222,7 +225,7 @@ class MNCoreStrategy(SingleDeviceStrategy):
         self.context = Context(self.mncore_device, self.backend)
         Context.switch_context(self.context)
         self._register_state()
-        self._retrace("the compiled steps", _describe_change(before, after))
+        self._retrace("the compiled steps", describe_change(before, after))
 
     def _retrace(self, what: str, reason: str) -> None:
         """Count and report one re-trace; past `max_retraces` in a stage, refuse."""
@@ -253,7 +256,7 @@ class MNCoreStrategy(SingleDeviceStrategy):
             previous = self._train_hook.carried.signature
             self._train_hook = self._train_hooks.get(carried)
             if self._train_hook is None:
-                self._retrace("training_step", _carried_change(previous, carried))
+                self._retrace("training_step", carried_change(previous, carried))
         if self._train_hook is None:
             optimizer = self.optimizers[0] if self.optimizers else None
             if optimizer is None:
@@ -489,38 +492,3 @@ def _matches(hook: CompiledHook, inputs: dict[str, torch.Tensor]) -> bool:
     return all(
         specs[k].shape == tuple(v.shape) and specs[k].dtype == v.dtype for k, v in inputs.items()
     )
-
-
-def _structure_of(module: torch.nn.Module) -> tuple:
-    """What a traced step depends on in a module's structure: which tensors are its
-    parameters and buffers, under which names, and how many forward hooks it has."""
-    tensors = tuple((n, id(t)) for n, t in module.named_parameters())
-    tensors += tuple((n, id(t)) for n, t in module.named_buffers())
-    hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in module.modules())
-    return tensors, hooks
-
-
-def _describe_change(before: tuple, after: tuple) -> str:
-    old, new = dict(before[0]), dict(after[0])
-    parts = []
-    if set(new) - set(old):
-        parts.append("tensors added: " + ", ".join(sorted(set(new) - set(old))))
-    if set(old) - set(new):
-        parts.append("tensors removed: " + ", ".join(sorted(set(old) - set(new))))
-    if before[1] != after[1]:
-        parts.append(f"forward hooks {before[1]} -> {after[1]}")
-    return "; ".join(parts) or "tensors replaced"
-
-
-def _carried_change(traced_for: tuple, now: tuple) -> str:
-    """How a module's carried tensors differ from those a step was traced for."""
-    old = {key: spec for key, *spec in traced_for}
-    new = {key: spec for key, *spec in now}
-    parts = [f"{key} appeared" for key in new if key not in old]
-    parts += [f"{key} is no longer a tensor" for key in old if key not in new]
-    parts += [
-        f"{key} changed shape, dtype or structure"
-        for key in new
-        if key in old and old[key] != new[key]
-    ]
-    return "carried tensors changed: " + "; ".join(parts)

@@ -196,6 +196,15 @@ class MNCoreOptimizer(Optimizer):
             if param.requires_grad:  # frozen params never step: no state until they get grads
                 self._init_state(param, group)
 
+    def ensure_state(self) -> None:
+        """Create the state of every trainable param that has none yet (a param unfrozen
+        after construction, by fine-tuning say), so that a device can register it before
+        the step is traced again."""
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.requires_grad:
+                    self._init_state(param, group)
+
     @staticmethod
     def _evaluate_closure(closure: Callable[[], float] | None) -> float | None:
         """torch.optim's contract: re-evaluate the loss (with grad enabled) when given one."""
