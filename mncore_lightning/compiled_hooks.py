@@ -26,6 +26,7 @@ from mncore_device import CompiledFunction, Context, StaticGraphError
 from mncore_device._source import user_frame
 
 from .carried_state import CarriedState
+from .side_effects import MetricValue, SideEffects, is_metric
 
 LOG_PREFIX = "log/"
 OUTPUT_PREFIX = "out/"
@@ -72,14 +73,17 @@ class LogRecorder:
     """
 
     def __init__(self, batch_size: int | None = None) -> None:
-        self.calls: list[_LogCall] = []
+        self.calls: list[Any] = []  # _LogCall, or a metric call to replay (side_effects)
         self.tensors: dict[str, torch.Tensor] = {}
         self.batch_size = batch_size
 
     def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         if self.batch_size is not None and not args:
             kwargs.setdefault("batch_size", self.batch_size)
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, MetricValue) or is_metric(value):
+            # a metric's result or the Metric itself: logged after the metric's host replay
+            self.calls.append(_LogCall(name, None, value, args, kwargs))
+        elif isinstance(value, torch.Tensor):
             key = LOG_PREFIX + name
             self.tensors[key] = value.detach()
             self.calls.append(_LogCall(name, key, None, args, kwargs))
@@ -90,14 +94,18 @@ class LogRecorder:
         else:
             raise TypeError(
                 f"self.log({name!r}, ...) inside a compiled step got a {type(value).__name__}. "
-                "MNCoreStrategy logs tensors and Python numbers; for a torchmetrics Metric, "
-                "compute it in the step (metric(preds, target)) or log it from an epoch-end hook."
+                "MNCoreStrategy logs tensors, Python numbers and torchmetrics Metrics."
             )
 
     def replay(self, module: Any, outputs: Mapping[str, torch.Tensor]) -> None:
         log = module.log
         for call in self.calls:
+            if not isinstance(call, _LogCall):  # a metric call (side_effects), in step order
+                call.replay(outputs)
+                continue
             value = outputs[call.key] if call.key is not None else call.constant
+            if isinstance(value, MetricValue):
+                value = value.host_value()
             log(call.name, value, *call.args, **call.kwargs)
 
 
@@ -176,8 +184,10 @@ class CompiledHook:
         to_host: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
         gradient_params: dict[str, torch.Tensor],
         carried: CarriedState,
+        effects: SideEffects,
     ) -> None:
         self.compiled = compiled
+        self.effects = effects
         self.carried = carried
         self.layout = layout
         self.recorder = recorder
@@ -193,6 +203,7 @@ class CompiledHook:
         outputs = self.to_host(self.compiled(inputs))
         self.carried.replay(outputs)
         self.recorder.replay(module, outputs)
+        self.effects.replay(outputs)
         if self.gradient_params:
             self.gradients = [(p, outputs[k], 0) for k, p in self.gradient_params.items()]
         return self.returned.rebuild(outputs)
@@ -226,17 +237,23 @@ def compile_hook(
     returned = _Returned()
     gradient_params: dict[str, torch.Tensor] = {}
     carried = CarriedState(module)
+    effects = SideEffects(module, recorder)
     hook = getattr(module, hook_name)
 
     def step(graph_inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         batch = layout.rebuild(graph_inputs)
         carried.bind(graph_inputs)
         if optimizer is None:
-            with torch.no_grad(), recording_logs(module, recorder):
+            with torch.no_grad(), recording_logs(module, recorder), effects.recording():
                 output = hook(batch, *extra_args)
-            return {**recorder.tensors, **returned.capture(output), **carried.capture()}
+            return {
+                **recorder.tensors,
+                **returned.capture(output),
+                **carried.capture(),
+                **effects.capture(),
+            }
         optimizer.zero_grad(set_to_none=True)
-        with recording_logs(module, recorder):
+        with recording_logs(module, recorder), effects.recording():
             output = hook(batch, *extra_args)
         module.backward(_loss_of(output))
         gradients = {}
@@ -252,7 +269,13 @@ def compile_hook(
             optimizer, gradient_clip_val=clip_val, gradient_clip_algorithm=clip_algorithm
         )
         optimizer.step()
-        return {**recorder.tensors, **returned.capture(output), **gradients, **carried.capture()}
+        return {
+            **recorder.tensors,
+            **returned.capture(output),
+            **gradients,
+            **carried.capture(),
+            **effects.capture(),
+        }
 
     try:
         with torch.inference_mode(False):
@@ -265,7 +288,9 @@ def compile_hook(
             )
     finally:
         carried.restore()
-    hook = CompiledHook(compiled, layout, recorder, returned, to_host, gradient_params, carried)
+    hook = CompiledHook(
+        compiled, layout, recorder, returned, to_host, gradient_params, carried, effects
+    )
     return hook, inputs
 
 
