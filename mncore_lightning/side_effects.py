@@ -302,9 +302,8 @@ class SideEffects:
                 name, metric, method, _Packed((args, kwargs), self._prefix(), self.outputs)
             )
             self.recorder.calls.append(recorded)
-            if method in ("update", "reset"):
-                return None
-            # the trace-time value, from a copy: the host metric's state stays untouched
+            # the trace-time value, from a copy that sees the same calls: the host metric's
+            # state stays untouched
             from torch.utils._python_dispatch import _disable_current_modes
 
             with _disable_current_modes(), torch.no_grad():
@@ -312,6 +311,8 @@ class SideEffects:
                 args, kwargs = tree_map(_plain, (args, kwargs))
                 function = copied if method == "forward" else getattr(copied, method)
                 result = function(*args, **kwargs)
+            if method in ("update", "reset"):
+                return None
             leaves, spec = tree_flatten(result)
             leaves = [
                 MetricValue(leaf, recorded, i) if isinstance(leaf, torch.Tensor) else leaf
