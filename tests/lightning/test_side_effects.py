@@ -214,3 +214,32 @@ class PopsInStep(Recipe):
 def test_a_list_mutation_other_than_append_in_a_step_is_refused():
     with pytest.raises(StaticGraphError, match=r"pop\(\) on the list self.validation_step_outputs"):
         fit_once("mncore", model_cls=PopsInStep, val=loader(n=16, seed=1), max_epochs=1)
+
+
+class CollectionForwardInEval(LitClassifier):
+    """A MetricCollection's forward in validation_step: its returned dict logged with
+    log_dict and appended to a list, both with the host values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.metrics = MetricCollection(
+            {"acc": Accuracy(task="multiclass", num_classes=CLASSES)}, prefix="v_"
+        )
+        self.batch_values = []
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        values = self.metrics(self(x), y)
+        self.log_dict(values)
+        self.batch_values.append(values)
+
+
+def test_metric_collection_forward_logged_and_appended_in_eval_as_on_cpu():
+    (cpu_trainer, cpu, _), (mn_trainer, mn, _) = _both(
+        model_cls=CollectionForwardInEval, val=loader(n=48, batch_size=16, seed=1)
+    )
+    assert_metrics_close(cpu_trainer.callback_metrics, mn_trainer.callback_metrics)
+    assert len(mn.batch_values) == len(cpu.batch_values) == 6
+    for a, b in zip(cpu.batch_values, mn.batch_values, strict=True):
+        assert type(b["v_acc"]) is torch.Tensor
+        assert_metrics_close(a, b)
