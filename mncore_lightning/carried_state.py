@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
+from .side_effects import in_metric, metric_paths
+
 CARRY_PREFIX = "carry/"
 
 # nn.Module's own bookkeeping (its _buffers dict holds tensors, but they are registered
@@ -29,10 +31,10 @@ _NOT_CARRIED = frozenset(vars(torch.nn.Module())) | {"_example_input_array"}
 
 
 def _tensor_tree(value: Any) -> tuple[list[torch.Tensor], TreeSpec] | None:
-    """A tensor, or a tuple/list/dict of tensors (an LSTM's (h, c)): its leaves and spec."""
-    if isinstance(value, torch.nn.Parameter) or not isinstance(
-        value, (torch.Tensor, tuple, list, dict)
-    ):
+    """A tensor, or a tuple/dict of tensors (an LSTM's (h, c)): its leaves and spec.
+
+    Lists are not carried: a list the module holds is one a step appends to (side_effects)."""
+    if isinstance(value, torch.nn.Parameter) or not isinstance(value, (torch.Tensor, tuple, dict)):
         return None
     leaves, spec = tree_flatten(value)
     if not leaves or not all(
@@ -44,9 +46,14 @@ def _tensor_tree(value: Any) -> tuple[list[torch.Tensor], TreeSpec] | None:
 
 def tensor_attributes(root: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, str, Any]]:
     """`{key: (module, attribute, value)}` for every plain attribute under `root` that holds a
-    tensor or a small container of tensors (not a parameter or a buffer)."""
+    tensor or a small container of tensors (not a parameter or a buffer).
+
+    torchmetrics' state tensors are not carried: metrics run on the host (side_effects)."""
     found = {}
+    metrics = metric_paths(root)
     for path, module in root.named_modules():
+        if in_metric(path, metrics):
+            continue
         for name, value in vars(module).items():
             if name not in _NOT_CARRIED and _tensor_tree(value) is not None:
                 found[f"{CARRY_PREFIX}{path}{'.' if path else ''}{name}"] = (module, name, value)

@@ -27,6 +27,7 @@ from mncore_device import CompiledFunction, Context
 
 from .carried_state import CarriedState
 from .optimizers import LiveHyperparameter, live_hyperparameters
+from .side_effects import MetricValue, SideEffects, is_metric
 from .step_counters import COUNTER_PREFIX, COUNTERS, LiveCounter, counter_inputs, live_counters
 
 LOG_PREFIX = "log/"
@@ -52,14 +53,17 @@ class LogRecorder:
     """
 
     def __init__(self, batch_size: int | None = None) -> None:
-        self.calls: list[_LogCall] = []
+        self.calls: list[Any] = []  # _LogCall, or a metric call to replay (side_effects)
         self.tensors: dict[str, torch.Tensor] = {}
         self.batch_size = batch_size
 
     def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         if self.batch_size is not None and not args:
             kwargs.setdefault("batch_size", self.batch_size)
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, MetricValue) or is_metric(value):
+            # a metric's result or the Metric itself: logged after the metric's host replay
+            self.calls.append(_LogCall(name, None, value, args, kwargs))
+        elif isinstance(value, torch.Tensor):
             key = LOG_PREFIX + name
             self.tensors[key] = value.detach()
             self.calls.append(_LogCall(name, key, None, args, kwargs))
@@ -78,8 +82,7 @@ class LogRecorder:
         else:
             raise TypeError(
                 f"self.log({name!r}, ...) inside a compiled step got a {type(value).__name__}. "
-                "MNCoreStrategy logs tensors and Python numbers; for a torchmetrics Metric, "
-                "compute it in the step (metric(preds, target)) or log it from an epoch-end hook."
+                "MNCoreStrategy logs tensors, Python numbers and torchmetrics Metrics."
             )
 
     def replay(
@@ -87,9 +90,14 @@ class LogRecorder:
     ) -> None:
         log = module.log
         for call in self.calls:
+            if not isinstance(call, _LogCall):  # a metric call (side_effects), in step order
+                call.replay(outputs)
+                continue
             if call.key is not None:
                 value = outputs[call.key]
-            elif callable(call.constant):
+            elif isinstance(call.constant, MetricValue):
+                value = call.constant.host_value()
+            elif callable(call.constant) and not is_metric(call.constant):
                 value = call.constant(counters)
             else:
                 value = call.constant
@@ -176,8 +184,10 @@ class CompiledHook:
         gradient_params: dict[str, torch.Tensor],
         carried: CarriedState,
         extra_args: tuple,
+        effects: SideEffects,
     ) -> None:
         self.compiled = compiled
+        self.effects = effects
         self.carried = carried
         self.extra_args = extra_args[1:]  # what follows batch_idx (dataloader_idx), fixed
         self.layout = layout
@@ -197,6 +207,7 @@ class CompiledHook:
         outputs = self.to_host(self.compiled(inputs))
         self.carried.replay(outputs)
         self.recorder.replay(module, outputs, counters)
+        self.effects.replay(outputs)
         if self.gradient_params:
             self.gradients = [(p, outputs[k], 0) for k, p in self.gradient_params.items()]
         return self.returned.rebuild(outputs)
@@ -230,6 +241,7 @@ def compile_hook(
     returned = _Returned()
     gradient_params: dict[str, torch.Tensor] = {}
     carried = CarriedState(module)
+    effects = SideEffects(module, recorder)
     hook = getattr(module, hook_name)
 
     def step(graph_inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -243,14 +255,19 @@ def compile_hook(
         args = (live["batch_idx"], *extra_args[1:]) if extra_args else ()
         with live_counters(module, live), live_hyperparameters():
             if optimizer is None:
-                with torch.no_grad(), recording_logs(module, recorder):
+                with torch.no_grad(), recording_logs(module, recorder), effects.recording():
                     output = hook(batch, *args)
-                return {**recorder.tensors, **returned.capture(output), **carried.capture()}
+                return {
+                    **recorder.tensors,
+                    **returned.capture(output),
+                    **carried.capture(),
+                    **effects.capture(),
+                }
             return train(batch, args)
 
     def train(batch: Any, args: tuple) -> dict[str, torch.Tensor]:
         optimizer.zero_grad(set_to_none=True)
-        with recording_logs(module, recorder):
+        with recording_logs(module, recorder), effects.recording():
             output = hook(batch, *args)
         module.backward(_loss_of(output))
         gradients = {}
@@ -266,7 +283,13 @@ def compile_hook(
             optimizer, gradient_clip_val=clip_val, gradient_clip_algorithm=clip_algorithm
         )
         optimizer.step()
-        return {**recorder.tensors, **returned.capture(output), **gradients, **carried.capture()}
+        return {
+            **recorder.tensors,
+            **returned.capture(output),
+            **gradients,
+            **carried.capture(),
+            **effects.capture(),
+        }
 
     try:
         with torch.inference_mode(False):
@@ -280,7 +303,7 @@ def compile_hook(
     finally:
         carried.restore()
     hook = CompiledHook(
-        compiled, layout, recorder, returned, to_host, gradient_params, carried, extra_args
+        compiled, layout, recorder, returned, to_host, gradient_params, carried, extra_args, effects
     )
     return hook, inputs
 

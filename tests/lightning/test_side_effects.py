@@ -1,0 +1,245 @@
+"""Side effects of a step (list appends, torchmetrics calls) behave as on cpu.
+
+A compiled step is traced once; these effects are recorded while tracing and replayed on the
+host after every call with that call's values. Same seed and data on accelerator="cpu" and
+"mncore" (O0); ATOL = 1e-5 absolute.
+"""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.loggers import CSVLogger
+from torchmetrics import MetricCollection
+from torchmetrics.classification import Accuracy, F1Score
+
+from mncore_device import StaticGraphError
+from tests.lightning.lightning_testing import (
+    ATOL,
+    CLASSES,
+    LitClassifier,
+    assert_metrics_close,
+    assert_state_close,
+    fit_once,
+    loader,
+)
+
+
+def _both(**kwargs):
+    return [fit_once(accelerator, **kwargs) for accelerator in ("cpu", "mncore")]
+
+
+def _max_diff(a, b) -> float:
+    a, b = torch.as_tensor(a).float(), torch.as_tensor(b).float()
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a - b).abs().max().item() if a.numel() else 0.0
+
+
+class Recipe(LitClassifier):
+    """Lightning's documented recipe: validation_step appends its predictions to a list the
+    module holds; on_validation_epoch_end uses and clears them. training_step appends too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.validation_step_outputs = []
+        self.train_outputs = []
+        self.epoch_preds = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.train_outputs.append({"loss": loss.detach(), "labels": y, "tag": "train"})
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        preds = self(x)
+        self.validation_step_outputs.append(preds)
+
+    def on_validation_epoch_end(self):
+        all_preds = torch.stack(self.validation_step_outputs)
+        self.log("val_mean", all_preds.mean())
+        self.epoch_preds.append(all_preds.clone())
+        self.validation_step_outputs.clear()
+
+
+def test_lightning_recipe_validation_step_outputs_as_on_cpu():
+    (cpu_trainer, cpu, _), (mn_trainer, mn, _) = _both(
+        model_cls=Recipe, val=loader(n=48, batch_size=16, seed=1), max_epochs=3
+    )
+    assert_state_close(cpu, mn)
+    assert mn_trainer.strategy.retraces == 0  # appends are no carried state
+    # one entry per validation epoch, each with every validation batch of that epoch
+    assert len(mn.epoch_preds) == len(cpu.epoch_preds) == 3
+    assert [p.shape for p in mn.epoch_preds] == [p.shape for p in cpu.epoch_preds]
+    diff = max(_max_diff(a, b) for a, b in zip(cpu.epoch_preds, mn.epoch_preds, strict=True))
+    assert diff <= ATOL, diff
+    assert mn.validation_step_outputs == []
+    assert_metrics_close(cpu_trainer.callback_metrics, mn_trainer.callback_metrics)
+    # training_step's appends: one per batch, pytrees rebuilt with their plain values
+    assert len(mn.train_outputs) == len(cpu.train_outputs) == 12
+    for a, b in zip(cpu.train_outputs, mn.train_outputs, strict=True):
+        assert b["tag"] == "train"
+        assert torch.equal(a["labels"], b["labels"])
+        assert _max_diff(a["loss"], b["loss"]) <= ATOL
+
+
+class WithMetrics(LitClassifier):
+    """torchmetrics as the field uses them (default validate_args=True): forward in
+    training_step, the Metric object and forward's value logged; a MetricCollection updated
+    in validation_step and computed at epoch end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.train_acc = Accuracy(task="multiclass", num_classes=CLASSES)
+        self.val_metrics = MetricCollection(
+            {
+                "acc": Accuracy(task="multiclass", num_classes=CLASSES),
+                "f1": F1Score(task="multiclass", num_classes=CLASSES, average="macro"),
+            },
+            prefix="val_",
+        )
+        self.val_computed = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits, y)
+        batch_acc = self.train_acc(logits, y)
+        self.log("train_acc", self.train_acc, on_step=True, on_epoch=True)
+        self.log("train_batch_acc", batch_acc)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.val_metrics.update(self(x), y)
+
+    def on_validation_epoch_end(self):
+        values = self.val_metrics.compute()
+        self.log_dict(values)
+        self.val_computed.append({k: v.clone() for k, v in values.items()})
+        self.val_metrics.reset()
+
+
+def _csv_rows(trainer) -> list[dict[str, str]]:
+    with open(f"{trainer.logger.log_dir}/metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def test_torchmetrics_metric_and_collection_as_on_cpu(tmp_path):
+    runs = [
+        fit_once(
+            accelerator,
+            model_cls=WithMetrics,
+            val=loader(n=48, batch_size=16, seed=1),
+            logger=CSVLogger(tmp_path / accelerator),
+            log_every_n_steps=1,
+        )
+        for accelerator in ("cpu", "mncore")
+    ]
+    (cpu_trainer, cpu, _), (mn_trainer, mn, _) = runs
+    assert_state_close(cpu, mn)
+    cpu_metrics, mn_metrics = cpu_trainer.callback_metrics, mn_trainer.callback_metrics
+    assert {"train_acc_step", "train_acc_epoch", "train_batch_acc", "val_acc", "val_f1"} <= set(
+        mn_metrics
+    )
+    assert_metrics_close(cpu_metrics, mn_metrics)
+    # every logged value of every step, as the logger wrote it
+    cpu_rows, mn_rows = _csv_rows(cpu_trainer), _csv_rows(mn_trainer)
+    assert len(cpu_rows) == len(mn_rows) > 8
+    diff = 0.0
+    for a, b in zip(cpu_rows, mn_rows, strict=True):
+        assert {k for k, v in a.items() if v} == {k for k, v in b.items() if v}
+        for key, value in a.items():
+            if value:
+                diff = max(diff, abs(float(value) - float(b[key])))
+    assert diff <= ATOL, diff
+    assert len(mn.val_computed) == 2
+    for a, b in zip(cpu.val_computed, mn.val_computed, strict=True):
+        assert_metrics_close(a, b)
+    # the host metrics hold what cpu's hold (epoch-end compute sees every step's update)
+    assert mn.train_acc.update_count == cpu.train_acc.update_count
+
+
+class ComputeInStep(LitClassifier):
+    """update + compute inside the step, the computed value logged; validate_args=True
+    checks run on the host (a float target would be refused there, as on cpu)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.acc = Accuracy(task="multiclass", num_classes=CLASSES)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.acc.update(logits, y)
+        self.log("running_acc", self.acc.compute())
+        return F.cross_entropy(logits, y)
+
+
+def test_update_and_compute_inside_the_step_as_on_cpu():
+    (cpu_trainer, cpu, _), (mn_trainer, mn, _) = _both(model_cls=ComputeInStep)
+    assert_metrics_close(cpu_trainer.callback_metrics, mn_trainer.callback_metrics)
+    assert mn.acc.update_count == cpu.acc.update_count == 8
+    torch.testing.assert_close(mn.acc.compute(), cpu.acc.compute(), atol=ATOL, rtol=0)
+
+
+class LossFromMetric(LitClassifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.acc = Accuracy(task="multiclass", num_classes=CLASSES)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        return F.cross_entropy(logits, y) * (2 - self.acc(logits, y))
+
+
+def test_computing_with_a_metric_result_in_the_step_is_refused():
+    with pytest.raises(StaticGraphError, match="self.acc"):
+        fit_once("mncore", model_cls=LossFromMetric, max_epochs=1)
+
+
+class PopsInStep(Recipe):
+    def validation_step(self, batch, batch_idx):
+        x, _ = batch
+        self.validation_step_outputs.append(self(x))
+        self.validation_step_outputs.pop(0)
+
+
+def test_a_list_mutation_other_than_append_in_a_step_is_refused():
+    with pytest.raises(StaticGraphError, match=r"pop\(\) on the list self.validation_step_outputs"):
+        fit_once("mncore", model_cls=PopsInStep, val=loader(n=16, seed=1), max_epochs=1)
+
+
+class CollectionForwardInEval(LitClassifier):
+    """A MetricCollection's forward in validation_step: its returned dict logged with
+    log_dict and appended to a list, both with the host values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.metrics = MetricCollection(
+            {"acc": Accuracy(task="multiclass", num_classes=CLASSES)}, prefix="v_"
+        )
+        self.batch_values = []
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        values = self.metrics(self(x), y)
+        self.log_dict(values)
+        self.batch_values.append(values)
+
+
+def test_metric_collection_forward_logged_and_appended_in_eval_as_on_cpu():
+    (cpu_trainer, cpu, _), (mn_trainer, mn, _) = _both(
+        model_cls=CollectionForwardInEval, val=loader(n=48, batch_size=16, seed=1)
+    )
+    assert_metrics_close(cpu_trainer.callback_metrics, mn_trainer.callback_metrics)
+    assert len(mn.batch_values) == len(cpu.batch_values) == 6
+    for a, b in zip(cpu.batch_values, mn.batch_values, strict=True):
+        assert type(b["v_acc"]) is torch.Tensor
+        assert_metrics_close(a, b)
