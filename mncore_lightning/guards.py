@@ -20,8 +20,9 @@ def structure_of(module: torch.nn.Module, optimizers: list[Any]) -> dict[str, An
         "tensors": tuple((n, id(t)) for n, t in module.named_parameters())
         + tuple((n, id(t)) for n, t in module.named_buffers()),
         "trainable parameters": tuple(n for n, p in module.named_parameters() if p.requires_grad),
-        "modules in training mode": tuple(
-            n or "." for n, m in module.named_modules() if m.training
+        # relative to the root, which Lightning switches for evaluation and back
+        "submodules not in the root's mode": tuple(
+            n for n, m in module.named_modules() if m.training != module.training
         ),
         "forward hooks": sum(
             len(m._forward_pre_hooks) + len(m._forward_hooks) for m in module.modules()

@@ -96,3 +96,11 @@ def test_retraces_are_counted_in_device_stats():
         "mncore", model_kwargs={"net": "bn"}, callbacks=[FreezeBatchNorm()], max_epochs=2
     )
     assert trainer.strategy.device_stats()["mncore/retraces"] == trainer.strategy.retraces >= 1
+
+
+def test_validation_between_epochs_does_not_retrace_the_training_step():
+    # Lightning switches the whole module to eval for validation and back: no change of fact
+    trainer, _, _ = fit_once(
+        "mncore", callbacks=[FreezeBatchNorm()], val=loader(n=32), max_epochs=1
+    )
+    assert trainer.strategy.retraces == 0
