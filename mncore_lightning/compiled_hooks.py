@@ -291,8 +291,12 @@ def compile_hook(
             **effects.capture(),
         }
 
+    if torch.is_anomaly_enabled():
+        _warn_anomaly_once()
     try:
-        with torch.inference_mode(False):
+        # Anomaly mode records Python tracebacks per op and checks values on the host, which a
+        # static graph cannot do; the debug preset checks every op for NaN/inf instead.
+        with torch.inference_mode(False), torch.autograd.set_detect_anomaly(False):
             compiled = context.compile(
                 step,
                 {**inputs, **counter_inputs(counters), **carried.inputs()},
@@ -306,6 +310,21 @@ def compile_hook(
         compiled, layout, recorder, returned, to_host, gradient_params, carried, extra_args, effects
     )
     return hook, inputs
+
+
+_anomaly_warned = [False]
+
+
+def _warn_anomaly_once() -> None:
+    if not _anomaly_warned[0]:
+        _anomaly_warned[0] = True
+        warnings.warn(
+            "Trainer(detect_anomaly=True): MNCoreStrategy traces its compiled steps without "
+            "anomaly detection, which needs the host to inspect every op. Use "
+            "MNCoreStrategy(preset='debug'): it checks every op for NaN and names the op and "
+            "your line.",
+            stacklevel=3,
+        )
 
 
 def _static_batch_size(batch: Any) -> int | None:

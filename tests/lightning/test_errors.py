@@ -208,3 +208,26 @@ def test_batch_changing_structure_raises():
 
     with pytest.raises(MisconfigurationException, match="changed structure"):
         make_trainer("mncore", max_epochs=1).fit(Structure(), Wrap(data))
+
+
+def test_detect_anomaly_traces_without_it_and_warns_once_pointing_at_the_debug_preset():
+    from tests.lightning.lightning_testing import ATOL, assert_state_close, fit_once
+
+    with pytest.warns(UserWarning, match=r"detect_anomaly.*preset='debug'"):
+        _, mn, _ = fit_once("mncore", detect_anomaly=True)
+    _, cpu, _ = fit_once("cpu", detect_anomaly=True)
+    assert_state_close(cpu, mn, atol=ATOL)
+
+
+def test_a_torch_compiled_module_trains_as_the_module_itself():
+    # Lightning unwraps torch.compile's OptimizedModule; the compiled step is ours
+    import lightning as L
+
+    from tests.lightning.lightning_testing import assert_state_close
+
+    _, cpu, _ = fit_once("cpu")
+    L.seed_everything(0, verbose=False)
+    model = LitClassifier()
+    trainer = make_trainer(max_epochs=2)
+    trainer.fit(torch.compile(model), loader(shuffle=True))
+    assert_state_close(cpu, model)
