@@ -13,7 +13,9 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 def with_drop_last(dataloader: DataLoader) -> DataLoader:
     """`dataloader` rebuilt with drop_last=True; warns how many samples each epoch skips."""
     batch_sampler = dataloader.batch_sampler
-    if isinstance(dataloader.dataset, IterableDataset) or getattr(batch_sampler, "drop_last", True):
+    if isinstance(dataloader.dataset, IterableDataset):
+        return _iterable_with_drop_last(dataloader)
+    if getattr(batch_sampler, "drop_last", True):
         return dataloader
     if type(batch_sampler) is not BatchSampler:
         warnings.warn(
@@ -42,4 +44,25 @@ def with_drop_last(dataloader: DataLoader) -> DataLoader:
             UserWarning,
             stacklevel=2,
         )
+    return rebuilt
+
+
+def _iterable_with_drop_last(dataloader: DataLoader) -> DataLoader:
+    """An iterable-style loader that batches for itself drops its short last batch too."""
+    if dataloader.batch_size is None or dataloader.drop_last:
+        return dataloader
+    args, kwargs = _get_dataloader_init_args_and_kwargs(
+        dataloader, dataloader.sampler, RunningStage.TRAINING
+    )
+    for key in ("batch_sampler", "sampler", "shuffle"):
+        kwargs.pop(key, None)
+    kwargs.update(batch_size=dataloader.batch_size, drop_last=True)
+    rebuilt = _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)
+    warnings.warn(
+        f"MNCoreStrategy set drop_last=True on the training DataLoader over an IterableDataset "
+        f"(a compiled step has a static batch size of {dataloader.batch_size}): a short last "
+        "batch of each epoch is skipped.",
+        UserWarning,
+        stacklevel=3,
+    )
     return rebuilt

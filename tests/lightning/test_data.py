@@ -136,3 +136,28 @@ def test_validation_loader_is_not_rebuilt():
     trainer.fit(LitClassifier(), DataLoader(make_dataset(32), batch_size=BATCH), val)
     assert seen == [16, 4]
     assert torch.is_tensor(trainer.callback_metrics["val_loss"])
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    """70 samples, streamed: batches of 16 leave a short last batch of 6."""
+
+    def __iter__(self):
+        dataset = make_dataset(70)
+        return iter([dataset[i] for i in range(len(dataset))])
+
+
+def test_iterable_dataset_drops_its_short_last_batch_as_a_map_style_one():
+    results = {}
+    for accelerator in ("cpu", "mncore"):
+        L.seed_everything(0, verbose=False)
+        model = LitClassifier()
+        trainer = make_trainer(accelerator, max_epochs=2)
+        train = DataLoader(_Stream(), batch_size=16, drop_last=accelerator == "cpu")
+        if accelerator == "mncore":
+            with pytest.warns(UserWarning, match="IterableDataset.*short last batch"):
+                trainer.fit(model, train)
+        else:
+            trainer.fit(model, train)
+        results[accelerator] = (model, trainer.global_step)
+    assert results["mncore"][1] == results["cpu"][1] == 8
+    assert_state_close(results["cpu"][0], results["mncore"][0])
