@@ -21,7 +21,13 @@ from typing import Any
 
 import torch
 from lightning.pytorch.utilities.data import extract_batch_size
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+from torch.utils._pytree import (
+    TreeSpec,
+    keystr,
+    tree_flatten,
+    tree_flatten_with_path,
+    tree_unflatten,
+)
 
 from mncore_device import CompiledFunction, Context
 
@@ -136,6 +142,20 @@ class BatchLayout:
         inputs = {f"{BATCH_PREFIX}{i}": leaves[i] for i in positions}
         return cls(spec, positions, fixed), inputs
 
+    def difference(self, other: BatchLayout) -> str | None:
+        """How `other` differs from this layout, naming the element ("batch[2]") and both
+        values; None when they are the same."""
+        if self.spec != other.spec:
+            return f"its structure changed from {self.spec} to {other.spec}"
+        names = _leaf_names(self.spec)
+        if self.tensor_positions != other.tensor_positions:
+            moved = sorted(set(self.tensor_positions) ^ set(other.tensor_positions))
+            return f"batch{names[moved[0]]} is a tensor in one batch and not in the other"
+        for (i, mine), (_, theirs) in zip(self.fixed, other.fixed, strict=True):
+            if mine is not theirs and mine != theirs:
+                return f"batch{names[i]} changed from {mine!r} to {theirs!r}"
+        return None
+
     def rebuild(self, inputs: Mapping[str, torch.Tensor]) -> Any:
         leaves: list[Any] = [None] * (len(self.tensor_positions) + len(self.fixed))
         for i in self.tensor_positions:
@@ -143,6 +163,22 @@ class BatchLayout:
         for i, value in self.fixed:
             leaves[i] = value
         return tree_unflatten(leaves, self.spec)
+
+
+def _leaf_names(spec: TreeSpec) -> list[str]:
+    """The path of each leaf of a batch with this structure, as `[0]`, `['x']`, ..."""
+    paths, _ = tree_flatten_with_path(tree_unflatten(list(range(spec.num_leaves)), spec))
+    return [keystr(path) for path, _ in paths]
+
+
+def shape_change(compiled: Any, inputs: Mapping[str, torch.Tensor]) -> str | None:
+    """Which batch tensor has another shape or dtype than the step was compiled for."""
+    specs = compiled.input_specs
+    for key, value in inputs.items():
+        spec = specs[key]
+        if spec.shape != tuple(value.shape) or spec.dtype != value.dtype:
+            return f"{key} changed from {list(spec.shape)} {spec.dtype} to {list(value.shape)} {value.dtype}"
+    return None
 
 
 class _Returned:

@@ -36,7 +36,7 @@ from mncore_device import (
 
 from .accelerator import MNCoreAccelerator
 from .carried_state import signature as carried_signature
-from .compiled_hooks import BatchLayout, CompiledHook, compile_hook
+from .compiled_hooks import BatchLayout, CompiledHook, compile_hook, shape_change
 from .data import with_drop_last
 from .device_selection import resolve_device, resolve_preset
 from .guards import carried_change, describe_change, structure_of
@@ -234,9 +234,9 @@ class MNCoreStrategy(SingleDeviceStrategy):
         if count > self.max_retraces:
             raise MisconfigurationException(
                 f"MNCoreStrategy traced {what} again {self.max_retraces} times in the {stage} "
-                f"stage, and it changed once more: {reason}. A compiled step is traced for "
-                "fixed module structure and carried tensors; keep them fixed between steps, or "
-                "raise MNCoreStrategy(max_retraces=...)."
+                f"stage, and it changed once more: {reason}. A compiled step is traced for a "
+                "fixed module structure, carried tensors and batch layout; keep them fixed "
+                "between steps, or raise MNCoreStrategy(max_retraces=...)."
             )
         self._retraces_by_stage[stage] = count
         self.retraces += 1
@@ -250,6 +250,7 @@ class MNCoreStrategy(SingleDeviceStrategy):
         self._push_host_edits()  # may re-register a module whose structure changed
         counters = self._counters(rest)
         carried = carried_signature(module)
+        layout, inputs = BatchLayout.of(batch)
         if self._train_hook is not None and self._train_hook.carried.signature != carried:
             # carried tensors changed structure (None -> a tensor, say): a step traced for
             # them before is reused, otherwise the step is traced again
@@ -257,6 +258,8 @@ class MNCoreStrategy(SingleDeviceStrategy):
             self._train_hook = self._train_hooks.get(carried)
             if self._train_hook is None:
                 self._retrace("training_step", carried_change(previous, carried))
+        if self._train_hook is not None:
+            self._check_training_batch(layout, inputs, counters)
         if self._train_hook is None:
             optimizer = self.optimizers[0] if self.optimizers else None
             if optimizer is None:
@@ -275,18 +278,29 @@ class MNCoreStrategy(SingleDeviceStrategy):
                 counters=counters,
             )
             self._train_hooks[carried] = self._train_hook
-        else:
-            layout, inputs = BatchLayout.of(batch)
-            if layout != self._train_hook.layout:
-                raise MisconfigurationException(
-                    "the training batch changed structure after the step was compiled "
-                    f"(compiled for {self._train_hook.layout.spec}, got {layout.spec})"
-                )
         result = self._train_hook(module, inputs, counters)
         self._device_is_newer = True
         self._gradients = self._train_hook.gradients
         self.compiled_calls += 1
         return result
+
+    def _check_training_batch(self, layout: BatchLayout, inputs: dict, counters: dict) -> None:
+        """A batch unlike the compiled step's: at an epoch boundary (a reloaded DataLoader, a
+        new batch size) the step is traced again; inside an epoch, an error names the element
+        (a shape change there is the compiled call's InputSpecError)."""
+        hook = self._train_hook
+        change = hook.layout.difference(layout)
+        if counters["batch_idx"] == 0:
+            change = change or shape_change(hook.compiled, inputs)
+            if change:
+                self._retrace("training_step", f"the training batch changed: {change}")
+                self._train_hook = None
+        elif change:
+            raise MisconfigurationException(
+                f"the training batch changed after the step was compiled: {change}. A compiled "
+                "step is traced for the values of a batch's non-tensor elements; keep them the "
+                "same within an epoch, or turn them into tensors."
+            )
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._eval_step("validation_step", args)
@@ -315,6 +329,11 @@ class MNCoreStrategy(SingleDeviceStrategy):
             ):
                 break
         else:
+            for other in hooks:  # a ragged last batch compiles silently; other changes say so
+                change = other.layout.difference(layout)
+                if change and other.extra_args == rest[1:]:
+                    self._retrace(hook_name, f"the batch changed: {change}")
+                    break
             hook, inputs = self._compile(hook_name, batch, rest, optimizer=None, counters=counters)
             hooks.append(hook)
         self.compiled_calls += 1

@@ -1,0 +1,96 @@
+"""Batches that change between calls: re-traced at an epoch boundary with a reason, refused
+inside an epoch with the element named. Same seed and data as cpu; ATOL = 1e-5 absolute."""
+
+from __future__ import annotations
+
+import logging
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.utils.data import DataLoader, Dataset
+
+from mncore_lightning import MNCoreStrategy
+from tests.lightning.lightning_testing import (
+    ATOL,
+    LitClassifier,
+    assert_state_close,
+    fit_once,
+    make_dataset,
+    make_trainer,
+)
+
+RANK_ZERO_LOGGER = "lightning.pytorch.utilities.rank_zero"
+
+
+class BatchSizePerEpoch(LitClassifier):
+    """A new DataLoader every epoch, with another batch size (as the batch-size tuner does)."""
+
+    def train_dataloader(self):
+        batch_size = 16 if self.current_epoch % 2 == 0 else 8
+        return DataLoader(make_dataset(64), batch_size=batch_size)
+
+
+def test_a_batch_size_changed_at_an_epoch_boundary_retraces_and_matches_cpu(caplog):
+    models = {}
+    with caplog.at_level(logging.INFO, logger=RANK_ZERO_LOGGER):
+        for accelerator in ("cpu", "mncore"):
+            L.seed_everything(0, verbose=False)
+            models[accelerator] = BatchSizePerEpoch()
+            trainer = make_trainer(accelerator, max_epochs=3, reload_dataloaders_every_n_epochs=1)
+            trainer.fit(models[accelerator])
+            assert trainer.global_step == 4 + 8 + 4
+    assert_state_close(models["cpu"], models["mncore"], atol=ATOL)
+    reasons = [
+        r.getMessage() for r in caplog.records if "re-tracing training_step" in r.getMessage()
+    ]
+    assert reasons and "batch/0 changed from [16, 8]" in reasons[0], reasons
+
+
+class Tagged(Dataset):
+    """(x, y, tag): the tag, a string, changes with the batch."""
+
+    def __init__(self, tags: list[str], batch_size: int = 16) -> None:
+        self.data, self.tags, self.batch_size = make_dataset(64), tags, batch_size
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index):
+        x, y = self.data[index]
+        return x, y, self.tags[index // self.batch_size % len(self.tags)]
+
+
+def _collate(samples):
+    xs, ys, tags = zip(*samples, strict=True)
+    return torch.stack(xs), torch.stack(ys), tags[0]
+
+
+class TaggedClassifier(LitClassifier):
+    def training_step(self, batch, batch_idx):
+        x, y, _ = batch
+        return super().training_step((x, y), batch_idx)
+
+    def validation_step(self, batch, batch_idx):
+        x, y, _ = batch
+        return super().validation_step((x, y), batch_idx)
+
+
+def test_a_non_tensor_element_changing_inside_an_epoch_names_it_and_both_values():
+    train = DataLoader(Tagged(["first", "second"]), batch_size=16, collate_fn=_collate)
+    with pytest.raises(
+        MisconfigurationException, match=r"batch\[2\] changed from 'first' to 'second'"
+    ):
+        fit_once("mncore", model_cls=TaggedClassifier, train=train)
+
+
+def test_eval_batches_with_changing_strings_are_reported_and_bounded():
+    val = DataLoader(Tagged(["a", "b", "c", "d"]), batch_size=16, collate_fn=_collate)
+    strategy = MNCoreStrategy(device="pfvm:cpu", preset="O0", max_retraces=2)
+    trainer = make_trainer(strategy=strategy, max_epochs=1)
+    train = DataLoader(Tagged(["same"]), batch_size=16, collate_fn=_collate)
+    with pytest.raises(
+        MisconfigurationException, match=r"batch\[2\] changed from 'a' to .*max_retraces"
+    ):
+        trainer.fit(TaggedClassifier(), train, val)
