@@ -176,6 +176,7 @@ def _summary(epoch_seconds: list[float]) -> dict:
 def _profile_mncore_step(trainer, model, loader) -> dict:
     """Per-step microseconds of the parts of an mncore step, measured outside the loop."""
     from mncore_lightning.compiled_hooks import BatchLayout
+    from mncore_lightning.step_counters import counter_inputs
 
     strategy = trainer.strategy
     batches = [b for _, b in zip(range(50), loader, strict=False)]
@@ -191,7 +192,9 @@ def _profile_mncore_step(trainer, model, loader) -> dict:
     hook = strategy._train_hook
     model._current_fx_name = "training_step"
     step_us = per_step(lambda i, b: strategy.training_step(b, i))
-    args = hook.compiled._arguments(BatchLayout.of(batches[0])[1])
+    counters = strategy._counters((0,))
+    inputs = {**BatchLayout.of(batches[0])[1], **counter_inputs(counters), **hook.carried.inputs()}
+    args = hook.compiled._arguments(inputs)
     executor = hook.compiled._executor
     executor_us = per_step(lambda i, b: executor(args))
     # The strategy's own share: the same call with the graph replaced by its cached outputs,

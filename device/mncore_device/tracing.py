@@ -28,7 +28,7 @@ from enum import Enum
 
 import torch
 import torch.fx as fx
-from torch._decomp import decompositions, get_decompositions
+from torch._decomp import decompositions
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import (
@@ -70,9 +70,13 @@ _DATA_DEPENDENT_OPS = {
     aten.unique_consecutive.default: "produces a value-dependent shape (unique_consecutive)",
 }
 _BOOLEAN_MASK_HINT = "indexes with a boolean mask (x[mask]): the result's shape depends on the mask"
-# native_batch_norm updates running stats in place in a way functionalization leaves alone;
-# its decomposition uses _native_batch_norm_legit, which functionalizes into new values.
-_DECOMPOSITIONS = get_decompositions([aten.native_batch_norm.default])
+# native_batch_norm updates running stats in place in a way functionalization leaves alone.
+# torch's own rewrite for functionalization calls _native_batch_norm_legit instead: the same
+# CPU/CUDA kernels eager runs (so BatchNorm rounds as eager does, bit for bit), with a schema
+# that declares the running-stat updates, which functionalization turns into new values.
+# (get_decompositions would give the math decomposition, var_mean and rsqrt, which rounds
+# differently and drifts from eager over steps.)
+_DECOMPOSITIONS = {aten.native_batch_norm.default: decompositions.native_batch_norm_decomposition}
 _PROFILER_OPS = ("_record_function_enter", "_record_function_exit")
 
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn as nn
 
 from tests.device.device_testing import (
     GrokkingCNN,
     compile_o0,
+    cross_entropy,
     device_train,
     eager_train,
     make_sgd,
@@ -103,3 +105,37 @@ def test_dropout_of_a_transposed_tensor_matches_eager_with_the_same_seed(context
     torch.manual_seed(5)
     expected = eager_train(reference, make_sgd(reference.parameters(), 0.1, 0.0), loss_fn, batches)
     torch.testing.assert_close(losses, expected, rtol=0, atol=1e-6)
+
+
+def test_a_batchnorm_conv_net_trains_bit_identical_to_eager_at_o0(context):
+    """BatchNorm traces to the kernels eager runs (_native_batch_norm_legit), not to a math
+    decomposition that rounds differently: losses, parameters and running stats are equal."""
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, stride=2),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 10),
+    )
+    reference = copy.deepcopy(model)
+    optimizer = make_sgd(model.parameters(), 0.1, 0.9)
+    register(context, model, optimizer)
+    batches = [{"x": torch.randn(4, 3, 8, 8), "t": torch.randint(0, 10, (4,))} for _ in range(5)]
+    step = training_step(model, optimizer, cross_entropy)
+    losses = device_train(compile_o0(context, step, batches[0]), batches)
+    expected = eager_train(
+        reference, torch.optim.SGD(reference.parameters(), 0.1, 0.9), cross_entropy, batches
+    )
+    torch.testing.assert_close(losses, expected, rtol=0, atol=0)
+    context.synchronize()
+    for (name, mine), theirs in zip(
+        model.state_dict().items(), reference.state_dict().values(), strict=True
+    ):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0, msg=name)

@@ -206,7 +206,9 @@ def test_batch_changing_structure_raises():
         def __len__(self):
             return len(self.inner)
 
-    with pytest.raises(MisconfigurationException, match="training batch changed.*structure changed"):
+    with pytest.raises(
+        MisconfigurationException, match="training batch changed.*structure changed"
+    ):
         make_trainer("mncore", max_epochs=1).fit(Structure(), Wrap(data))
 
 
