@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from .side_effects import in_metric, metric_paths
+from .side_effects import is_metric
 
 CARRY_PREFIX = "carry/"
 
@@ -30,33 +30,48 @@ CARRY_PREFIX = "carry/"
 _NOT_CARRIED = frozenset(vars(torch.nn.Module())) | {"_example_input_array"}
 
 
-def _tensor_tree(value: Any) -> tuple[list[torch.Tensor], TreeSpec] | None:
-    """A tensor, or a tuple/dict of tensors (an LSTM's (h, c)): its leaves and spec.
+def _is_state_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter)
 
-    Lists are not carried: a list the module holds is one a step appends to (side_effects)."""
-    if isinstance(value, torch.nn.Parameter) or not isinstance(value, (torch.Tensor, tuple, dict)):
+
+def _tensor_tree(value: Any) -> tuple[list[torch.Tensor], TreeSpec] | None:
+    """A tensor, or a flat tuple/list/dict of tensors (an LSTM's (h, c)): leaves and spec.
+
+    Checked for every attribute of every module at every step, so the common cases (not a
+    tensor, an empty or non-tensor container) return before any flattening.
+    """
+    if isinstance(value, torch.Tensor):
+        return ([value], tree_flatten(value)[1]) if _is_state_tensor(value) else None
+    if isinstance(value, dict):
+        items = value.values()
+    elif isinstance(value, (tuple, list)):
+        items = value
+    else:
         return None
-    leaves, spec = tree_flatten(value)
-    if not leaves or not all(
-        isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter) for t in leaves
-    ):
+    if not items or not all(_is_state_tensor(item) for item in items):
         return None
-    return leaves, spec
+    return tree_flatten(value)
 
 
 def tensor_attributes(root: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, str, Any]]:
     """`{key: (module, attribute, value)}` for every plain attribute under `root` that holds a
-    tensor or a small container of tensors (not a parameter or a buffer).
+    tensor or a flat container of tensors (not a parameter or a buffer).
 
     torchmetrics' state tensors are not carried: metrics run on the host (side_effects)."""
     found = {}
-    metrics = metric_paths(root)
-    for path, module in root.named_modules():
-        if in_metric(path, metrics):
+    stack = [("", root)]
+    while stack:
+        path, module = stack.pop()
+        if is_metric(module):
             continue
         for name, value in vars(module).items():
             if name not in _NOT_CARRIED and _tensor_tree(value) is not None:
-                found[f"{CARRY_PREFIX}{path}{'.' if path else ''}{name}"] = (module, name, value)
+                found[f"{CARRY_PREFIX}{path}{name}"] = (module, name, value)
+        stack.extend(
+            (f"{path}{child_name}.", child)
+            for child_name, child in module._modules.items()
+            if child is not None
+        )
     return found
 
 
@@ -65,8 +80,8 @@ def signature(root: torch.nn.Module) -> tuple:
     result = []
     for key, (_, _, value) in tensor_attributes(root).items():
         leaves, spec = _tensor_tree(value)
-        result.append((key, str(spec), tuple((tuple(t.shape), t.dtype) for t in leaves)))
-    return tuple(result)
+        result.append((key, spec, tuple((t.shape, t.dtype) for t in leaves)))
+    return tuple(sorted(result, key=lambda entry: entry[0]))
 
 
 class CarriedState:

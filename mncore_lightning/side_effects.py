@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -38,6 +39,7 @@ EFFECT_PREFIX = "effect/"
 _METRIC_METHODS = ("forward", "update", "compute", "reset")
 
 
+@functools.cache
 def metric_types() -> tuple[type, ...]:
     """torchmetrics' Metric and MetricCollection, or () when torchmetrics is not installed."""
     try:
