@@ -35,7 +35,8 @@ def _is_state_tensor(value: Any) -> bool:
 
 
 def _tensor_tree(value: Any) -> tuple[list[torch.Tensor], TreeSpec] | None:
-    """A tensor, or a flat tuple/list/dict of tensors (an LSTM's (h, c)): leaves and spec.
+    """A tensor, or a flat tuple/dict of tensors (an LSTM's (h, c)): leaves and spec. Lists
+    are not carried: appending to them is a side effect, replayed (side_effects).
 
     Checked for every attribute of every module at every step, so the common cases (not a
     tensor, an empty or non-tensor container) return before any flattening.
@@ -44,7 +45,7 @@ def _tensor_tree(value: Any) -> tuple[list[torch.Tensor], TreeSpec] | None:
         return ([value], tree_flatten(value)[1]) if _is_state_tensor(value) else None
     if isinstance(value, dict):
         items = value.values()
-    elif isinstance(value, (tuple, list)):
+    elif isinstance(value, tuple):
         items = value
     else:
         return None
@@ -55,7 +56,7 @@ def _tensor_tree(value: Any) -> tuple[list[torch.Tensor], TreeSpec] | None:
 
 def tensor_attributes(root: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, str, Any]]:
     """`{key: (module, attribute, value)}` for every plain attribute under `root` that holds a
-    tensor or a flat container of tensors (not a parameter or a buffer).
+    tensor or a flat tuple or dict of tensors (not a parameter or a buffer).
 
     torchmetrics' state tensors are not carried: metrics run on the host (side_effects)."""
     found = {}
