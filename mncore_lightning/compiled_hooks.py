@@ -259,6 +259,7 @@ def compile_hook(
     optimizer: torch.optim.Optimizer | None,
     gradient_clipping: tuple[float | None, str | None] = (None, None),
     return_gradients: bool = False,
+    manual: bool = False,
     counters: Mapping[str, int],
     options: Mapping[str, Any],
     codegen_dir: Any = None,
@@ -290,6 +291,8 @@ def compile_hook(
         # batch_idx follows the batch; dataloader_idx is fixed per compiled hook
         args = (live["batch_idx"], *extra_args[1:]) if extra_args else ()
         with live_counters(module, live), live_hyperparameters():
+            if manual:
+                return manual_step(batch, args)
             if optimizer is None:
                 with torch.no_grad(), recording_logs(module, recorder), effects.recording():
                     output = hook(batch, *args)
@@ -300,6 +303,24 @@ def compile_hook(
                     **effects.capture(),
                 }
             return train(batch, args)
+
+    def manual_step(batch: Any, args: tuple) -> dict[str, torch.Tensor]:
+        """Manual optimization: the user's step calls backward and the updates itself; all of
+        it is traced, and the host-side bookkeeping around each update is replayed."""
+        precision = module.trainer.strategy.precision_plugin
+        with (
+            recording_logs(module, recorder),
+            effects.recording(),
+            recording_host_calls(module, recorder),
+            precision.tracing_manual_step(),
+        ):
+            output = hook(batch, *args)
+        return {
+            **recorder.tensors,
+            **returned.capture(output),
+            **carried.capture(),
+            **effects.capture(),
+        }
 
     def train(batch: Any, args: tuple) -> dict[str, torch.Tensor]:
         optimizer.zero_grad(set_to_none=True)
@@ -348,6 +369,51 @@ def compile_hook(
     return hook, inputs
 
 
+class _HostCall:
+    """A host-side call a traced step made (Lightning's optimizer-step bookkeeping, an LR
+    scheduler's step), replayed after each call in step order, like `self.log`."""
+
+    def __init__(self, call: Callable[[], Any]) -> None:
+        self.call = call
+
+    def replay(self, outputs: Mapping[str, torch.Tensor]) -> None:
+        self.call()
+
+
+@contextlib.contextmanager
+def recording_host_calls(module: Any, recorder: LogRecorder) -> Iterator[None]:
+    """While a manual step is traced, what each `opt.step()` and `sch.step()` does on the host
+    is recorded instead of done: Lightning counts optimizer steps (global_step) around each
+    update, and a scheduler changes learning rates, at every call on cpu, not once."""
+    strategy = module.trainer.strategy
+    patched: list[tuple[Any, str, Any]] = []
+
+    def record(owner: Any, name: str, call: Callable[..., Any]) -> None:
+        patched.append((owner, name, owner.__dict__.get(name, _ABSENT)))
+        setattr(owner, name, call)
+
+    for optimizer in strategy._lightning_optimizers:
+        for name in ("_on_before_step", "_on_after_step"):
+            replay = _HostCall(lambda o=optimizer, n=name: getattr(o, n)())
+            record(optimizer, name, lambda r=replay: recorder.calls.append(r))
+    for config in strategy.lr_scheduler_configs:
+        step = config.scheduler.step
+
+        def record_step(*args: Any, _step: Any = step, **kwargs: Any) -> None:
+            recorder.calls.append(_HostCall(lambda: _step(*args, **kwargs)))
+
+        record(config.scheduler, "step", record_step)
+    try:
+        yield
+    finally:
+        for owner, name, previous in reversed(patched):
+            if previous is _ABSENT:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, previous)
+
+
+_ABSENT = object()
 _anomaly_warned = [False]
 
 

@@ -8,7 +8,8 @@ nothing (the pattern of the former IPU plugin and of DeepSpeed's precision plugi
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from lightning.pytorch.plugins.precision import Precision
@@ -23,9 +24,23 @@ class MNCorePrecision(Precision):
     """
 
     precision = "32-true"
+    _manual_trace = False  # a manual-optimization step is being traced
+
+    @contextlib.contextmanager
+    def tracing_manual_step(self) -> Iterator[None]:
+        """While a manual step is traced, `manual_backward` and `opt.step()` run (into the
+        graph) as they would eagerly."""
+        previous, self._manual_trace = self._manual_trace, True
+        try:
+            yield
+        finally:
+            self._manual_trace = previous
 
     def backward(self, tensor: Any, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:
         """The gradients were computed inside the compiled step: hand them to the params."""
+        if self._manual_trace:
+            tensor.backward(*args, **kwargs)
+            return
         model.trainer.strategy.install_gradients()
 
     def post_backward(self, tensor: Any, module: Any) -> Any:
@@ -37,6 +52,8 @@ class MNCorePrecision(Precision):
         self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
         """Run the closure (the compiled step, update included); never call optimizer.step."""
+        if self._manual_trace:  # the user's opt.step() inside a traced manual step
+            return super().optimizer_step(optimizer, model, closure, **kwargs)
         result = closure()
         trainer = model.trainer
         call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)

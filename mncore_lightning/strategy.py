@@ -149,15 +149,6 @@ class MNCoreStrategy(SingleDeviceStrategy):
 
     @override
     def setup(self, trainer: Any) -> None:
-        module = trainer.lightning_module
-        if not module.automatic_optimization:
-            raise MisconfigurationException(
-                "MNCoreStrategy does not support manual optimization "
-                "(self.automatic_optimization = False): the compiled step must contain the "
-                "whole update, and calls to manual_backward()/opt.step() inside training_step "
-                "cannot be split into one graph. Use automatic optimization with one optimizer "
-                "returned from configure_optimizers, or accelerator='cpu'/'gpu' for this model."
-            )
         if trainer.accumulate_grad_batches != 1:
             raise MisconfigurationException(
                 f"MNCoreStrategy does not support accumulate_grad_batches="
@@ -175,12 +166,6 @@ class MNCoreStrategy(SingleDeviceStrategy):
     def setup_optimizers(self, trainer: Any) -> None:
         """Replace optimizers by those the device runs (MN-Core's or MLSDK's), schedulers too."""
         super().setup_optimizers(trainer)
-        if len(self.optimizers) > 1:
-            raise MisconfigurationException(
-                "MNCoreStrategy compiles one optimizer update per step; configure_optimizers "
-                f"returned {len(self.optimizers)} optimizers. Return one optimizer (with several "
-                "param groups if needed)."
-            )
         converted = [device_optimizer(self.context, opt) for opt in self.optimizers]
         for old, new in zip(self.optimizers, converted, strict=True):
             if new is not old:  # MLSDK's own optimizer: the schedulers must drive it
@@ -196,10 +181,11 @@ class MNCoreStrategy(SingleDeviceStrategy):
             self.context.register_param(param)
         for buffer in module.buffers():
             self.context.register_buffer(buffer)
+        several = len(self.optimizers) > 1
         for index, optimizer in enumerate(self.optimizers):
             if isinstance(optimizer, MNCoreOptimizer):
                 optimizer.ensure_state()
-            set_buffer_name_in_optimizer(optimizer, f"optimizer{index or ''}")
+            set_buffer_name_in_optimizer(optimizer, f"optimizer{index}" if several else "optimizer")
             self.context.register_optimizer_buffers(optimizer)
         self._train_hook = None
         self._train_hooks = {}
@@ -268,13 +254,15 @@ class MNCoreStrategy(SingleDeviceStrategy):
                     "the training step"
                 )
             trainer = module.trainer
+            manual = not module.automatic_optimization
             self._train_hook, inputs = self._compile(
                 "training_step",
                 batch,
                 rest,
-                optimizer=optimizer,
+                optimizer=None if manual else optimizer,
+                manual=manual,
                 gradient_clipping=(trainer.gradient_clip_val, trainer.gradient_clip_algorithm),
-                return_gradients=bool(self._user_hooks.intersection(GRADIENT_HOOKS)),
+                return_gradients=not manual and bool(self._user_hooks.intersection(GRADIENT_HOOKS)),
                 counters=counters,
             )
             self._train_hooks[carried] = self._train_hook

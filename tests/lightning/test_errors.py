@@ -19,27 +19,6 @@ def _fit(model, **overrides):
     make_trainer("mncore", max_epochs=1, **overrides).fit(model, loader())
 
 
-class Manual(LitClassifier):
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-
-    def training_step(self, batch, batch_idx):
-        optimizer = self.optimizers()
-        loss = F.cross_entropy(self(batch[0]), batch[1])
-        optimizer.zero_grad()
-        self.manual_backward(loss)
-        optimizer.step()
-
-
-def test_manual_optimization_raises():
-    with pytest.raises(
-        MisconfigurationException, match="does not support manual optimization"
-    ) as e:
-        _fit(Manual())
-    assert "Use automatic optimization" in str(e.value)
-
-
 def test_accumulate_grad_batches_raises():
     with pytest.raises(MisconfigurationException, match="accumulate_grad_batches=2") as e:
         _fit(LitClassifier(), accumulate_grad_batches=2)
@@ -66,18 +45,6 @@ def test_two_optimizers_raise():
     # message must say that only one optimizer can be used.
     with pytest.raises(RuntimeError, match="multiple optimizers"):
         _fit(TwoOptimizers())
-
-
-def test_two_optimizers_with_manual_optimization_raise():
-    """Following Lightning's advice (manual optimization) ends in MNCoreStrategy's message."""
-
-    class ManualTwo(TwoOptimizers):
-        def __init__(self) -> None:
-            super().__init__()
-            self.automatic_optimization = False
-
-    with pytest.raises(MisconfigurationException, match="does not support manual optimization"):
-        _fit(ManualTwo())
 
 
 _BRANCH_LINE_MARKER = "# <- the data-dependent branch"
