@@ -260,6 +260,8 @@ def compile_hook(
     gradient_clipping: tuple[float | None, str | None] = (None, None),
     return_gradients: bool = False,
     manual: bool = False,
+    accumulate: tuple[int, dict[torch.Tensor, torch.Tensor]] | None = None,
+    update: bool = True,
     counters: Mapping[str, int],
     options: Mapping[str, Any],
     codegen_dir: Any = None,
@@ -268,7 +270,10 @@ def compile_hook(
 ) -> tuple[CompiledHook, dict[str, torch.Tensor]]:
     """Trace `module.<hook_name>(batch, *extra_args)` into a compiled function.
 
-    With `optimizer`, the graph is a whole training step (update included); with
+    With `optimizer`, the graph is a whole training step (update included). With
+    `accumulate=(n, buffers)`, gradients of the loss / n accumulate into `buffers` (one
+    registered tensor per parameter, device state between micro-batches), and the update runs
+    only when `update` (the graph that ends an accumulation window, zeroing them). With
     `return_gradients`, it also returns each parameter's gradient as backward left it (before
     clipping, as Lightning's gradient hooks see it). Returns the hook and the inputs of this
     batch.
@@ -323,10 +328,15 @@ def compile_hook(
         }
 
     def train(batch: Any, args: tuple) -> dict[str, torch.Tensor]:
-        optimizer.zero_grad(set_to_none=True)
+        if accumulate is None:
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            for param, buffer in accumulate[1].items():
+                param.grad = buffer
         with recording_logs(module, recorder), effects.recording():
             output = hook(batch, *args)
-        module.backward(_loss_of(output))
+        loss = _loss_of(output)
+        module.backward(loss if accumulate is None else loss / accumulate[0])
         gradients = {}
         if return_gradients:  # copies: clipping and the update change the grads in place
             params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -334,12 +344,20 @@ def compile_hook(
                 if param.grad is not None:
                     gradients[f"{GRAD_PREFIX}{index}"] = param.grad.detach().clone()
                     gradient_params[f"{GRAD_PREFIX}{index}"] = param
-        # As Lightning: the hook is always called; its default clips only if asked to.
-        clip_val, clip_algorithm = gradient_clipping
-        module.configure_gradient_clipping(
-            optimizer, gradient_clip_val=clip_val, gradient_clip_algorithm=clip_algorithm
-        )
-        optimizer.step()
+        if update:
+            # As Lightning: the hook is always called; its default clips only if asked to.
+            clip_val, clip_algorithm = gradient_clipping
+            module.configure_gradient_clipping(
+                optimizer, gradient_clip_val=clip_val, gradient_clip_algorithm=clip_algorithm
+            )
+            optimizer.step()
+        if accumulate is not None:
+            if update:
+                with torch.no_grad():
+                    for buffer in accumulate[1].values():
+                        buffer.zero_()
+            for param in accumulate[1]:
+                param.grad = None
         return {
             **recorder.tensors,
             **returned.capture(output),

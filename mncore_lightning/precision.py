@@ -54,8 +54,9 @@ class MNCorePrecision(Precision):
         """Run the closure (the compiled step, update included); never call optimizer.step."""
         if self._manual_trace:  # the user's opt.step() inside a traced manual step
             return super().optimizer_step(optimizer, model, closure, **kwargs)
-        result = closure()
         trainer = model.trainer
+        with trainer.strategy.updating():  # this micro-batch ends an accumulation window
+            result = closure()
         call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
         call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
         trainer.strategy.check_gradients_untouched("on_before_optimizer_step")

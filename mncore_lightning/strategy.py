@@ -10,8 +10,10 @@ are refreshed from the device before checkpoints, at the end of fit and on teard
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,7 @@ from mncore_device import (
     get_tensor_name,
     resolve_backend,
     set_buffer_name_in_optimizer,
+    set_tensor_name,
     set_tensor_name_in_module,
 )
 
@@ -102,6 +105,7 @@ class MNCoreStrategy(SingleDeviceStrategy):
         self._user_hooks: set[str] = set()
         self.user_hook_ran = False  # set by HostSync: the module's structure may have changed
         self.max_retraces = max_retraces
+        self._updating = False
         self.retraces = 0
         self._retraces_by_stage: dict[str, int] = {}
         self._gradients: list[tuple[torch.nn.Parameter, torch.Tensor, int]] = []
@@ -149,12 +153,6 @@ class MNCoreStrategy(SingleDeviceStrategy):
 
     @override
     def setup(self, trainer: Any) -> None:
-        if trainer.accumulate_grad_batches != 1:
-            raise MisconfigurationException(
-                f"MNCoreStrategy does not support accumulate_grad_batches="
-                f"{trainer.accumulate_grad_batches}: every compiled step applies one optimizer "
-                "update. Use a larger batch size instead."
-            )
         backend = "MLSDK" if self.backend is Backend.MLSDK else "emulated"
         rank_zero_info(f"MN-Core available: True ({self.mncore_device}, {backend}), used: True")
         self.context = Context(self.mncore_device, self.backend)
@@ -189,6 +187,8 @@ class MNCoreStrategy(SingleDeviceStrategy):
             self.context.register_optimizer_buffers(optimizer)
         self._train_hook = None
         self._train_hooks = {}
+        self._train_key: tuple | None = None
+        self._grad_buffers: dict[torch.Tensor, torch.Tensor] = {}
         self._eval_hooks = {}
         self._device_is_newer = False
         self._host_versions = HostVersions(list(self.context.registered_tensors().values()))
@@ -235,15 +235,24 @@ class MNCoreStrategy(SingleDeviceStrategy):
         module = self.lightning_module
         self._push_host_edits()  # may re-register a module whose structure changed
         counters = self._counters(rest)
-        carried = carried_signature(module)
+        manual = not module.automatic_optimization
+        window = 1 if manual else module.trainer.accumulate_grad_batches
+        update = window == 1 or self._updating
+        # One graph per kind of micro-batch: accumulating, or ending a window with the update.
+        carried = (carried_signature(module), window, update)
         layout, inputs = BatchLayout.of(batch)
-        if self._train_hook is not None and self._train_hook.carried.signature != carried:
-            # carried tensors changed structure (None -> a tensor, say): a step traced for
-            # them before is reused, otherwise the step is traced again
-            previous = self._train_hook.carried.signature
+        if self._train_hook is not None and self._train_key != carried:
+            # carried tensors changed structure (None -> a tensor, say), or accumulation
+            # moved to the other kind of micro-batch: a step traced for them before is
+            # reused, otherwise the step is traced again
+            previous, self._train_key = self._train_key, carried
             self._train_hook = self._train_hooks.get(carried)
-            if self._train_hook is None:
-                self._retrace("training_step", carried_change(previous, carried))
+            if self._train_hook is None and previous[0] != carried[0]:
+                self._retrace("training_step", carried_change(previous[0], carried[0]))
+            elif self._train_hook is None and previous[1] != carried[1]:
+                self._retrace(
+                    "training_step", f"accumulate_grad_batches changed {previous[1]} -> {window}"
+                )
         if self._train_hook is not None:
             self._check_training_batch(layout, inputs, counters)
         if self._train_hook is None:
@@ -254,7 +263,6 @@ class MNCoreStrategy(SingleDeviceStrategy):
                     "the training step"
                 )
             trainer = module.trainer
-            manual = not module.automatic_optimization
             self._train_hook, inputs = self._compile(
                 "training_step",
                 batch,
@@ -263,14 +271,40 @@ class MNCoreStrategy(SingleDeviceStrategy):
                 manual=manual,
                 gradient_clipping=(trainer.gradient_clip_val, trainer.gradient_clip_algorithm),
                 return_gradients=not manual and bool(self._user_hooks.intersection(GRADIENT_HOOKS)),
+                accumulate=None if window == 1 else (window, self._gradient_buffers()),
+                update=update,
                 counters=counters,
             )
             self._train_hooks[carried] = self._train_hook
+            self._train_key = carried
         result = self._train_hook(module, inputs, counters)
         self._device_is_newer = True
         self._gradients = self._train_hook.gradients
         self.compiled_calls += 1
         return result
+
+    @contextlib.contextmanager
+    def updating(self) -> Iterator[None]:
+        """Lightning runs this micro-batch through the optimizer step: it ends an
+        accumulation window (MNCorePrecision.optimizer_step)."""
+        self._updating = True
+        try:
+            yield
+        finally:
+            self._updating = False
+
+    def _gradient_buffers(self) -> dict[torch.Tensor, torch.Tensor]:
+        """One registered tensor per trainable parameter, where gradients accumulate on the
+        device between the micro-batches of a window."""
+        if not self._grad_buffers:
+            for param in self.lightning_module.parameters():
+                if param.requires_grad:
+                    buffer = torch.zeros_like(param)
+                    set_tensor_name(buffer, "grad@" + get_tensor_name(param).replace("@", "/"))
+                    self.context.register_buffer(buffer)
+                    self._grad_buffers[param] = buffer
+            self._host_versions = HostVersions(list(self.context.registered_tensors().values()))
+        return self._grad_buffers
 
     def _check_training_batch(self, layout: BatchLayout, inputs: dict, counters: dict) -> None:
         """A batch unlike the compiled step's: at an epoch boundary (a reloaded DataLoader, a

@@ -19,12 +19,6 @@ def _fit(model, **overrides):
     make_trainer("mncore", max_epochs=1, **overrides).fit(model, loader())
 
 
-def test_accumulate_grad_batches_raises():
-    with pytest.raises(MisconfigurationException, match="accumulate_grad_batches=2") as e:
-        _fit(LitClassifier(), accumulate_grad_batches=2)
-    assert "larger batch size" in str(e.value)
-
-
 def test_unsupported_optimizer_lists_supported_ones():
     with pytest.raises(TypeError, match="LBFGS") as e:
         _fit(LitClassifier(optimizer="lbfgs"))
