@@ -284,7 +284,12 @@ def compile_hook(
     gradient_params: dict[str, torch.Tensor] = {}
     carried = CarriedState(module)
     effects = SideEffects(module, recorder)
-    hook = getattr(module, hook_name)
+    user_hook = getattr(module, hook_name)
+    precision = module.trainer.strategy.precision_plugin
+
+    def hook(*args: Any) -> Any:
+        with precision.forward_context():  # as Lightning's step contexts: autocast, say
+            return user_hook(*args)
 
     def step(graph_inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         batch = layout.rebuild(graph_inputs)
@@ -312,7 +317,6 @@ def compile_hook(
     def manual_step(batch: Any, args: tuple) -> dict[str, torch.Tensor]:
         """Manual optimization: the user's step calls backward and the updates itself; all of
         it is traced, and the host-side bookkeeping around each update is replayed."""
-        precision = module.trainer.strategy.precision_plugin
         with (
             recording_logs(module, recorder),
             effects.recording(),
@@ -381,10 +385,10 @@ def compile_hook(
             )
     finally:
         carried.restore()
-    hook = CompiledHook(
+    compiled_hook = CompiledHook(
         compiled, layout, recorder, returned, to_host, gradient_params, carried, extra_args, effects
     )
-    return hook, inputs
+    return compiled_hook, inputs
 
 
 class _HostCall:

@@ -17,7 +17,13 @@ from lightning.pytorch.trainer import call
 
 
 class MNCorePrecision(Precision):
-    """32-bit training where backward and the optimizer step are part of the compiled graph.
+    """Training where backward and the optimizer step are part of the compiled graph.
+
+    32-bit by default. `MNCorePrecision(inner)` wraps Lightning's plugin for another precision
+    the graph can capture ("bf16-mixed": autocast is recorded into the traced step, weights and
+    optimizer state stay fp32; "bf16-true": the module is converted to bfloat16): its module
+    conversion and step contexts are used as they are, while backward and the update still
+    run inside the compiled step.
 
     When a gradient hook is overridden, the compiled step also returns the gradients, and the
     parameters hold them (`p.grad`) while `on_after_backward` and `on_before_optimizer_step` run.
@@ -25,6 +31,28 @@ class MNCorePrecision(Precision):
 
     precision = "32-true"
     _manual_trace = False  # a manual-optimization step is being traced
+
+    def __init__(self, inner: Precision | None = None) -> None:
+        super().__init__()
+        self.inner = inner
+        if inner is not None:
+            self.precision = inner.precision
+
+    def convert_module(self, module: Any) -> Any:
+        return self.inner.convert_module(module) if self.inner else module
+
+    def convert_input(self, data: Any) -> Any:
+        return self.inner.convert_input(data) if self.inner else data
+
+    def tensor_init_context(self) -> Any:
+        return self.inner.tensor_init_context() if self.inner else super().tensor_init_context()
+
+    def module_init_context(self) -> Any:
+        return self.inner.module_init_context() if self.inner else super().module_init_context()
+
+    def forward_context(self) -> Any:
+        """Entered around the hook inside the traced step: autocast is recorded into it."""
+        return self.inner.forward_context() if self.inner else super().forward_context()
 
     @contextlib.contextmanager
     def tracing_manual_step(self) -> Iterator[None]:

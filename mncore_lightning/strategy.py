@@ -50,6 +50,7 @@ from .precision import MNCorePrecision
 
 _EVAL_HOOKS = ("validation_step", "test_step", "predict_step")
 log = logging.getLogger(__name__)
+_WRAPPED_PRECISIONS = ("bf16-mixed", "bf16-true")
 
 
 class MNCoreStrategy(SingleDeviceStrategy):
@@ -135,18 +136,23 @@ class MNCoreStrategy(SingleDeviceStrategy):
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Precision | None) -> None:
-        # Lightning's connector assigns its own choice here; a plain 32-bit Precision is what
-        # MNCorePrecision already is, anything else would silently change the step.
+        # Lightning's connector assigns its own choice here. A plain 32-bit Precision is what
+        # MNCorePrecision already is; bf16 plugins are wrapped (their contexts are traced into
+        # the step); anything else would silently change the step, so it is refused.
         if plugin is None:
             self._precision_plugin = getattr(self, "_precision_plugin", None)
             return
         if type(plugin) is Precision:
             plugin = getattr(self, "_precision_plugin", None) or MNCorePrecision()
         elif not isinstance(plugin, MNCorePrecision):
-            raise MisconfigurationException(
-                f"MNCoreStrategy runs backward and the optimizer step inside its compiled graph "
-                f"and supports precision='32-true' only; got the {type(plugin).__name__} plugin."
-            )
+            if getattr(plugin, "precision", None) not in _WRAPPED_PRECISIONS:
+                raise MisconfigurationException(
+                    f"MNCoreStrategy runs backward and the optimizer step inside its compiled "
+                    f"graph and supports precision='32-true', 'bf16-mixed' and 'bf16-true' only; "
+                    f"got the {type(plugin).__name__} plugin "
+                    f"(precision={getattr(plugin, 'precision', None)!r})."
+                )
+            plugin = MNCorePrecision(plugin)
         self._precision_plugin = plugin
 
     # --- setup -------------------------------------------------------------------------------
