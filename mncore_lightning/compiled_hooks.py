@@ -340,7 +340,10 @@ def compile_hook(
         with recording_logs(module, recorder), effects.recording():
             output = hook(batch, *args)
         loss = _loss_of(output)
-        module.backward(loss if accumulate is None else loss / accumulate[0])
+        loss = loss if accumulate is None else loss / accumulate[0]
+        scaler = precision.scaler if not manual else None
+        module.backward(scaler.scale(loss) if scaler is not None else loss)
+        found_inf = _unscale(optimizer, scaler) if scaler is not None and update else None
         gradients = {}
         if return_gradients:  # copies: clipping and the update change the grads in place
             params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -354,7 +357,18 @@ def compile_hook(
             module.configure_gradient_clipping(
                 optimizer, gradient_clip_val=clip_val, gradient_clip_algorithm=clip_algorithm
             )
-            optimizer.step()
+            if found_inf is None:
+                optimizer.step()
+            else:
+                _step_unless_inf(optimizer, found_inf)
+                torch._amp_update_scale_(
+                    scaler._scale,
+                    scaler._growth_tracker,
+                    found_inf,
+                    scaler._growth_factor,
+                    scaler._backoff_factor,
+                    scaler._growth_interval,
+                )
         if accumulate is not None:
             if update:
                 with torch.no_grad():
@@ -389,6 +403,36 @@ def compile_hook(
         compiled, layout, recorder, returned, to_host, gradient_params, carried, extra_args, effects
     )
     return compiled_hook, inputs
+
+
+def _unscale(optimizer: torch.optim.Optimizer, scaler: Any) -> torch.Tensor:
+    """torch.amp.GradScaler.unscale_, inside the graph: divide the gradients by the scale and
+    return whether any of them is inf or NaN (a 0-d float tensor, as GradScaler keeps it)."""
+    found_inf = torch.zeros((), dtype=torch.float32)
+    inv_scale = scaler._scale.double().reciprocal().float()
+    grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+    return found_inf
+
+
+def _step_unless_inf(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+    """GradScaler.step, inside the graph: a step with inf/NaN gradients is skipped. A static
+    graph cannot branch, so the update always runs and its results are discarded where
+    `found_inf` is set: params and optimizer state keep their values, as if never stepped."""
+    tensors = [p for g in optimizer.param_groups for p in g["params"]]
+    tensors += [
+        t
+        for state in optimizer.state.values()
+        for t in state.values()
+        if isinstance(t, torch.Tensor)
+    ]
+    with torch.no_grad():
+        before = [t.detach().clone() for t in tensors]
+    optimizer.step()
+    with torch.no_grad():
+        skip = found_inf > 0
+        for tensor, old in zip(tensors, before, strict=True):
+            tensor.copy_(torch.where(skip, old, tensor))
 
 
 class _HostCall:

@@ -54,6 +54,18 @@ class MNCorePrecision(Precision):
         """Entered around the hook inside the traced step: autocast is recorded into it."""
         return self.inner.forward_context() if self.inner else super().forward_context()
 
+    @property
+    def scaler(self) -> Any:
+        """ "16-mixed"'s torch.amp.GradScaler, whose scaling runs inside the compiled step."""
+        return getattr(self.inner, "scaler", None)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict() if self.inner else super().state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.inner:
+            self.inner.load_state_dict(state_dict)
+
     @contextlib.contextmanager
     def tracing_manual_step(self) -> Iterator[None]:
         """While a manual step is traced, `manual_backward` and `opt.step()` run (into the

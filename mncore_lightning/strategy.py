@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -50,7 +50,7 @@ from .precision import MNCorePrecision
 
 _EVAL_HOOKS = ("validation_step", "test_step", "predict_step")
 log = logging.getLogger(__name__)
-_WRAPPED_PRECISIONS = ("bf16-mixed", "bf16-true")
+_WRAPPED_PRECISIONS = ("bf16-mixed", "bf16-true", "16-mixed")
 
 
 class MNCoreStrategy(SingleDeviceStrategy):
@@ -148,11 +148,12 @@ class MNCoreStrategy(SingleDeviceStrategy):
             if getattr(plugin, "precision", None) not in _WRAPPED_PRECISIONS:
                 raise MisconfigurationException(
                     f"MNCoreStrategy runs backward and the optimizer step inside its compiled "
-                    f"graph and supports precision='32-true', 'bf16-mixed' and 'bf16-true' only; "
+                    f"graph and supports precision='32-true', 'bf16-mixed', 'bf16-true' and "
+                    f"'16-mixed' only; "
                     f"got the {type(plugin).__name__} plugin "
                     f"(precision={getattr(plugin, 'precision', None)!r})."
                 )
-            plugin = MNCorePrecision(plugin)
+            plugin = MNCorePrecision(_on_host(plugin))
         self._precision_plugin = plugin
 
     # --- setup -------------------------------------------------------------------------------
@@ -185,6 +186,13 @@ class MNCoreStrategy(SingleDeviceStrategy):
             self.context.register_param(param)
         for buffer in module.buffers():
             self.context.register_buffer(buffer)
+        scaler = self.precision_plugin.scaler
+        if scaler is not None:  # 16-mixed: the loss scale is device state, updated in the step
+            scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+            for name in ("scale", "growth_tracker"):
+                tensor = getattr(scaler, f"_{name}")
+                set_tensor_name(tensor, f"grad_scaler@{name}")
+                self.context.register_buffer(tensor)
         several = len(self.optimizers) > 1
         for index, optimizer in enumerate(self.optimizers):
             if isinstance(optimizer, MNCoreOptimizer):
@@ -539,3 +547,22 @@ def _matches(hook: CompiledHook, inputs: dict[str, torch.Tensor]) -> bool:
     return all(
         specs[k].shape == tuple(v.shape) and specs[k].dtype == v.dtype for k, v in inputs.items()
     )
+
+
+def _on_host(plugin: Precision) -> Precision:
+    """Lightning picks autocast's device from the accelerator ("cuda" for any it does not
+    know), but the step is traced on the host's tensors: autocast and the fp16 GradScaler must
+    be the CPU's, or they would silently do nothing."""
+    if not isinstance(plugin, MixedPrecision) or plugin.device == "cpu":
+        return plugin
+    scaler = None
+    if plugin.scaler is not None:
+        old = plugin.scaler
+        scaler = torch.amp.GradScaler(
+            "cpu",
+            init_scale=old._init_scale,
+            growth_factor=old._growth_factor,
+            backoff_factor=old._backoff_factor,
+            growth_interval=old._growth_interval,
+        )
+    return MixedPrecision(plugin.precision, "cpu", scaler=scaler)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
 
 from mncore_lightning import MNCorePrecision, MNCoreStrategy
 from tests.lightning.lightning_testing import fit_once, make_trainer
@@ -35,6 +36,39 @@ def test_bf16_matches_cpu_within_cpus_own_bf16_error(precision):
     assert trainer.precision_plugin.precision == precision
     expected = torch.bfloat16 if precision == "bf16-true" else torch.float32
     assert next(mn.parameters()).dtype == expected  # master weights fp32 for mixed
+    if precision == "bf16-mixed":  # autocast on the host's tensors, as cpu's: the same numbers
+        assert _state_diff(cpu, mn) == 0.0
+
+
+def _fp16_plugin(init_scale: float) -> MixedPrecision:
+    return MixedPrecision(
+        "16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=init_scale)
+    )
+
+
+@pytest.mark.parametrize("init_scale", [2.0**16, 2.0**40])
+def test_fp16_mixed_loss_scaling_skips_and_updates_as_grad_scaler(init_scale):
+    """16-mixed: fp16 autocast, and torch.amp.GradScaler's dynamic loss scaling inside the
+    compiled step. With a huge initial scale the first steps overflow: they are skipped and the
+    scale backs off, exactly as GradScaler does on cpu (with the same explicit plugin)."""
+    runs = {}
+    for accelerator in ("cpu", "mncore"):
+        plugin = _fp16_plugin(init_scale)
+        trainer, model, losses = fit_once(accelerator, plugins=[plugin])
+        runs[accelerator] = (trainer, model, losses)
+    (cpu_trainer, cpu, cpu_losses), (mn_trainer, mn, mn_losses) = runs["cpu"], runs["mncore"]
+    cpu_scale = cpu_trainer.precision_plugin.scaler.get_scale()
+    mn_scale = mn_trainer.precision_plugin.scaler.get_scale()
+    assert mn_scale == cpu_scale
+    if init_scale > 2.0**30:
+        assert mn_scale < init_scale  # overflows were found, steps skipped, the scale backed off
+    assert _state_diff(cpu, mn) <= 1e-5
+    torch.testing.assert_close(
+        torch.stack(cpu_losses.losses).float(),
+        torch.stack(mn_losses.losses).float(),
+        atol=1e-3,
+        rtol=0,
+    )
 
 
 def test_bf16_mixed_with_an_explicit_strategy_is_wrapped():
