@@ -556,13 +556,10 @@ def _on_host(plugin: Precision) -> Precision:
     if not isinstance(plugin, MixedPrecision) or plugin.device == "cpu":
         return plugin
     scaler = None
-    if plugin.scaler is not None:
-        old = plugin.scaler
-        scaler = torch.amp.GradScaler(
-            "cpu",
-            init_scale=old._init_scale,
-            growth_factor=old._growth_factor,
-            backoff_factor=old._backoff_factor,
-            growth_interval=old._growth_interval,
-        )
+    if plugin.scaler is not None:  # a GradScaler for a device this machine lacks is disabled
+        old, settings = plugin.scaler, ("init_scale", "growth_factor", "backoff_factor")
+        kwargs = {k: getattr(old, f"_{k}") for k in settings if hasattr(old, f"_{k}")}
+        if hasattr(old, "_growth_interval"):
+            kwargs["growth_interval"] = old._growth_interval
+        scaler = torch.amp.GradScaler("cpu", **kwargs)
     return MixedPrecision(plugin.precision, "cpu", scaler=scaler)

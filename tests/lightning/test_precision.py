@@ -75,3 +75,13 @@ def test_bf16_mixed_with_an_explicit_strategy_is_wrapped():
     trainer = make_trainer(strategy=MNCoreStrategy(), precision="bf16-mixed")
     assert isinstance(trainer.precision_plugin, MNCorePrecision)
     assert trainer.precision_plugin.precision == "bf16-mixed"
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+def test_the_precision_flag_autocasts_on_the_host(precision):
+    # Lightning would pick autocast's device "cuda" for accelerator="mncore": a silent no-op here
+    trainer = make_trainer(precision=precision)
+    inner = trainer.precision_plugin.inner
+    assert isinstance(inner, MixedPrecision) and inner.device == "cpu"
+    if precision == "16-mixed":
+        assert inner.scaler is not None and inner.scaler.is_enabled()

@@ -15,7 +15,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import DeviceStatsMonitor
 from lightning.pytorch.loggers import CSVLogger
-from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.plugins.precision import DoublePrecision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from packaging.specifiers import SpecifierSet
@@ -144,15 +144,15 @@ def test_cpu_runs_print_nothing_about_mncore(caplog):
 # --- precision --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("precision", ["16-mixed", "64-true", "16-true"])
+@pytest.mark.parametrize("precision", ["64-true", "16-true"])
 def test_other_precision_raises(precision):
     with pytest.raises(MisconfigurationException, match=r"supports precision='32-true', 'bf16"):
         _trainer(accelerator="mncore", precision=precision)
 
 
 def test_precision_plugin_instance_on_strategy_raises():
-    with pytest.raises(MisconfigurationException, match="MixedPrecision"):
-        MNCoreStrategy(precision_plugin=MixedPrecision("16-mixed", "cpu"))
+    with pytest.raises(MisconfigurationException, match="DoublePrecision"):
+        MNCoreStrategy(precision_plugin=DoublePrecision())
 
 
 @pytest.mark.parametrize("precision", [None, "32-true", "32", 32])
@@ -279,7 +279,7 @@ def test_installed_lightning_within_pinned_range():
     assert Version(lightning.__version__) in spec, (lightning.__version__, pin)
 
 
-@pytest.mark.parametrize("precision", ["16-mixed", "64-true"])
+@pytest.mark.parametrize("precision", ["64-true", "16-true"])
 def test_other_precision_with_an_explicit_strategy_raises(precision):
     # as clearly as with accelerator="mncore" alone: never a silent fp32 run
     with pytest.raises(MisconfigurationException, match=r"supports precision='32-true', 'bf16"):
