@@ -1,0 +1,250 @@
+"""torch.optim's other optimizers, run by their own update code traced into a static step.
+
+SGD, Adam and AdamW have hand-written MN-Core classes. Every other torch.optim optimizer
+whose update can be captured (`TRACED_TORCH_OPTIMIZERS`) runs through one mechanism,
+`MNCoreTracedOptimizer`, mixed into the user's class (`type("RMSprop", (MNCoreTracedOptimizer,
+torch.optim.RMSprop), ...)`):
+
+* its state is created before the first step, by torch's own `_init_group` (on zero gradients
+  for a param that has none), so a device can register it;
+* the learning rate is a 0-d tensor while the step runs (`ParamGroup` mirrors `group["lr"]`
+  into it, so a scheduler's or callback's `group["lr"] = x` reaches the compiled step) and
+  the step is traced with `capturable=True` where torch has it, so that torch's update
+  computes with tensors instead of reading them back with `.item()`;
+* its other hyperparameters are read by torch's update as Python numbers and are therefore
+  fixed when the step is traced: setting a different value afterwards is a ValueError that
+  says so, rather than a change that silently does nothing;
+* `state_dict()` is torch.optim's, key for key (the group holds the user's own `capturable`,
+  `foreach`, `differentiable` and a float `lr`), so checkpoints move between cpu and mncore.
+
+Outside a trace (an eager `step()` on the host) the optimizer runs torch's default path with
+float hyperparameters, exactly as torch.optim would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+from ._base import MNCoreOptimizer, ParamGroup
+
+# Exact types: a subclass may change the update rule. Adagrad and Adafactor have no
+# `capturable` option; their default paths read the step count through torch's
+# `_get_value`, which keeps it a tensor while tracing, so they are captured as they are.
+TRACED_TORCH_OPTIMIZERS: frozenset[type[torch.optim.Optimizer]] = frozenset(
+    {
+        torch.optim.RMSprop,
+        torch.optim.Adagrad,
+        torch.optim.Adadelta,
+        torch.optim.Adamax,
+        torch.optim.NAdam,
+        torch.optim.RAdam,
+        torch.optim.ASGD,
+        torch.optim.Rprop,
+        torch.optim.Adafactor,
+    }
+)
+
+# Group keys that only choose how torch computes (kernels, capture, autograd): overridden
+# while a traced step runs, never stored.
+_TRACE_OPTIONS = {"capturable": True, "foreach": False, "differentiable": False, "fused": False}
+_NOT_FROZEN = frozenset({"params", "lr", "initial_lr", "name", *_TRACE_OPTIONS})
+
+
+def _lr_only(group: Mapping[str, Any]) -> dict[str, float]:
+    return {"lr": float(group["lr"])}
+
+
+def _is_number(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, (int, float)):
+        return True
+    return isinstance(value, (tuple, list)) and any(_is_number(v) for v in value)
+
+
+class TracedParamGroup(ParamGroup):
+    """A ParamGroup whose numeric hyperparameters other than lr are fixed once traced.
+
+    torch's update reads them as Python numbers, which the trace bakes into the graph;
+    `frozen` holds the values the compiled step uses, and setting a different one raises.
+    """
+
+    frozen: dict[str, Any] | None = None
+    optimizer_name: str = "optimizer"
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        frozen = self.frozen
+        if frozen is not None and key in frozen and _as_tuple(value) != _as_tuple(frozen[key]):
+            raise ValueError(
+                f"cannot set {self.optimizer_name}'s {key!r} to {value!r}: torch.optim."
+                f"{self.optimizer_name}'s update reads it as a Python number, so the compiled "
+                f"MN-Core step was traced with {key}={frozen[key]!r} and cannot change it. "
+                "Only 'lr' can change after compile (schedulers may drive it); keep the other "
+                "hyperparameters fixed (OneCycleLR/CyclicLR: cycle_momentum=False), or use "
+                "accelerator='cpu'."
+            )
+        super().__setitem__(key, value)
+
+
+def _as_tuple(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.item()
+    return tuple(value) if isinstance(value, list) else value
+
+
+_SCALED_ARGUMENT = {  # op name -> (scalar keyword, index of the argument it scales)
+    "add": ("alpha", 1),
+    "add_": ("alpha", 1),
+    "sub": ("alpha", 1),
+    "sub_": ("alpha", 1),
+    "addcmul": ("value", 2),
+    "addcmul_": ("value", 2),
+    "addcdiv": ("value", 1),
+    "addcdiv_": ("value", 1),
+}
+
+
+class _TensorScalars(TorchFunctionMode):
+    """`x.add_(y, alpha=lr)` with a tensor lr, computed as `x.add_(y * lr)`.
+
+    torch.optim's updates pass the learning rate as `alpha=`/`value=`, a Python scalar
+    argument: a tensor there is read back with `.item()`, which a static graph cannot do.
+    Scaling the operand instead keeps the learning rate a tensor in the graph.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        spec = _SCALED_ARGUMENT.get(getattr(func, "__name__", ""))
+        if spec is not None and isinstance(kwargs.get(spec[0]), Tensor):
+            keyword, index = spec
+            kwargs = dict(kwargs)
+            scale = kwargs.pop(keyword)
+            args = list(args)
+            args[index] = args[index] * scale
+        return func(*args, **kwargs)
+
+
+class MNCoreTracedOptimizer(MNCoreOptimizer):
+    """torch.optim's own update, traced: mixed in before a torch.optim class (see module)."""
+
+    _coefficients = staticmethod(_lr_only)
+    _group_class = TracedParamGroup
+
+    def _torch_class(self) -> type[torch.optim.Optimizer]:
+        for cls in type(self).__mro__:
+            if cls in TRACED_TORCH_OPTIMIZERS:
+                return cls
+        raise TypeError(f"{type(self).__name__} is not based on a traceable torch.optim class")
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        self.param_groups[-1].optimizer_name = self._torch_class().__name__
+
+    def _init_state(self, param: Tensor, group: Mapping[str, Any]) -> None:
+        """Create `param`'s state with torch's own `_init_group`, as its first step would."""
+        if not self.state.get(param):
+            self.state[param] = self._fresh_state(param, group)
+
+    def _fresh_state(self, param: Tensor, group: Mapping[str, Any]) -> dict[str, Any]:
+        """The state torch's `_init_group` gives `param` (not all zeros: Rprop's step sizes
+        start at lr, ASGD's eta at lr and mu at 1, Adagrad's sums at their initial value)."""
+        kept = self.state.pop(param, None)
+        view = {key: dict.__getitem__(group, key) for key in group}
+        view["params"] = [param]
+        if "capturable" in view:
+            view["capturable"] = True  # the state a capturable step expects (step on device)
+        lists = len(inspect.signature(self._init_group).parameters) - 1
+        grad = param.grad
+        if grad is None:
+            param.grad = torch.zeros_like(param, memory_format=torch.preserve_format)
+        try:
+            with torch.no_grad():
+                self._init_group(view, *([] for _ in range(lists)))
+            return self.state.pop(param, {})
+        finally:
+            param.grad = grad
+            if kept is not None:
+                self.state[param] = kept
+
+    def _merge_state(self, param: Tensor, group: Mapping[str, Any], kept: dict) -> None:
+        """A loaded checkpoint without state for `param` means fresh state: torch's, copied
+        into the tensors we had (a device may have registered them)."""
+        if self.state.get(param) or not (kept or param.requires_grad):
+            super()._merge_state(param, group, kept)
+            return
+        self.state.pop(param, None)
+        fresh = self._fresh_state(param, group)
+        with torch.no_grad():
+            for key in [k for k in kept if k not in fresh]:
+                del kept[key]
+            for key, value in fresh.items():
+                target = kept.get(key)
+                if isinstance(target, Tensor) and isinstance(value, Tensor):
+                    target.copy_(value)
+                else:
+                    kept[key] = value
+        self.state[param] = kept
+
+    @contextlib.contextmanager
+    def _traceable_groups(self) -> Iterator[None]:
+        """While torch's step runs in a trace: lr is the group's tensor, capture is on."""
+        saved = []
+        for group in self.param_groups:
+            saved.append({k: dict.__getitem__(group, k) for k in ("lr", *_TRACE_OPTIONS) if k in group})
+            dict.__setitem__(group, "lr", group.tensors["lr"])
+            for key, value in _TRACE_OPTIONS.items():
+                if key in group:
+                    dict.__setitem__(group, key, value)
+            group.frozen = {
+                k: v for k, v in dict.items(group) if k not in _NOT_FROZEN and _is_number(v)
+            }
+        try:
+            yield
+        finally:
+            for group, values in zip(self.param_groups, saved, strict=True):
+                for key, value in values.items():
+                    dict.__setitem__(group, key, value)
+
+    @contextlib.contextmanager
+    def _eager_groups(self) -> Iterator[None]:
+        """On the host: torch's default path, with the user's options minus capture."""
+        saved = []
+        for group in self.param_groups:
+            saved.append(dict.get(group, "capturable"))
+            if "capturable" in group:
+                dict.__setitem__(group, "capturable", False)  # host tensors: not capturable
+        try:
+            yield
+        finally:
+            for group, value in zip(self.param_groups, saved, strict=True):
+                if "capturable" in group:
+                    dict.__setitem__(group, "capturable", value)
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """torch.optim's step: traceable while compiling, torch's default path otherwise."""
+        for group in self.param_groups:
+            self._params_with_grad(group)  # sparse gradients refused, late state created
+        if not torch.compiler.is_compiling():
+            with self._eager_groups():
+                return super().step(closure)
+        with self._traceable_groups(), _TensorScalars():
+            return super().step(closure)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        frozen = [g.frozen for g in self.__dict__.get("param_groups", ())]
+        super().__setstate__(state)
+        for group, values in zip(self.param_groups, frozen, strict=False):
+            group.optimizer_name = self._torch_class().__name__
+            if values is not None:  # a checkpoint loaded after compile: same fixed values
+                for key, value in values.items():
+                    if key in group:
+                        group.frozen = values
+                        group[key] = dict.__getitem__(group, key)  # raises if it differs
+                group.frozen = values
