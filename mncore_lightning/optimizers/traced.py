@@ -99,36 +99,106 @@ def _as_tuple(value: Any) -> Any:
     return tuple(value) if isinstance(value, list) else value
 
 
-_SCALED_ARGUMENT = {  # op name -> (scalar keyword, index of the argument it scales)
-    "add": ("alpha", 1),
-    "add_": ("alpha", 1),
-    "sub": ("alpha", 1),
-    "sub_": ("alpha", 1),
-    "addcmul": ("value", 2),
-    "addcmul_": ("value", 2),
-    "addcdiv": ("value", 1),
-    "addcdiv_": ("value", 1),
-}
+_STEP_DTYPE = torch.float64
 
 
 class _TensorScalars(TorchFunctionMode):
-    """`x.add_(y, alpha=lr)` with a tensor lr, computed as `x.add_(y * lr)`.
+    """`x.add_(y, alpha=lr)` with a tensor lr, computed as `x.addcmul_(y, lr)`.
 
     torch.optim's updates pass the learning rate as `alpha=`/`value=`, a Python scalar
     argument: a tensor there is read back with `.item()`, which a static graph cannot do.
-    Scaling the operand instead keeps the learning rate a tensor in the graph.
+    The rewrites keep it a tensor in the graph and round as torch's kernels do:
+    `add(y, alpha=s)` is `addcmul(y, s)`, `addcdiv(a, b, value=s)` is `addcdiv(a * s, b)`
+    and `addcmul(a, b, value=s)` is `addcmul(a * s, b)`.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        spec = _SCALED_ARGUMENT.get(getattr(func, "__name__", ""))
-        if spec is not None and isinstance(kwargs.get(spec[0]), Tensor):
-            keyword, index = spec
-            kwargs = dict(kwargs)
-            scale = kwargs.pop(keyword)
-            args = list(args)
-            args[index] = args[index] * scale
+        name = getattr(func, "__name__", "")
+        additive = name in ("add", "add_", "sub", "sub_")
+        keyword = "alpha" if additive else "value"
+        scale = kwargs.get(keyword)
+        if (
+            (additive or name in ("addcmul", "addcmul_", "addcdiv", "addcdiv_"))
+            and isinstance(scale, Tensor)
+            and len(args) >= 2
+            and isinstance(args[1], Tensor)
+        ):
+            kwargs = {k: v for k, v in kwargs.items() if k != keyword}
+            this, other, *rest = args
+            if additive:
+                scale = -scale if name.startswith("sub") else scale
+                addcmul = this.addcmul_ if name.endswith("_") else this.addcmul
+                return addcmul(other, scale, **kwargs)
+            return func(this, other * scale, *rest, **kwargs)
         return func(*args, **kwargs)
+
+
+def _traceable_adafactor(
+    params: list[Tensor],
+    grads: list[Tensor],
+    row_vars: list[Tensor | None],
+    col_vars: list[Tensor | None],
+    variances: list[Tensor | None],
+    state_steps: list[Tensor],
+    grad_scale: Tensor | None,
+    found_inf: Tensor | None,
+    *,
+    d: float,
+    lr: Tensor | float,
+    beta2_decay: float,
+    weight_decay: float,
+    eps1: float | None,
+    eps2: float,
+    maximize: bool,
+    has_complex: bool,
+) -> None:
+    """torch.optim's `_single_tensor_adafactor`, with its host reads (`.item()` of the step
+    and of two norms, Python min/max on them) computed in float64 tensors instead: the same
+    numbers, as the Python doubles torch computes with, but one static graph."""
+    if grad_scale is not None or found_inf is not None:
+        raise AssertionError("Grad scaling should occur outside of optimizer.step()")
+    for i, param in enumerate(params):
+        grad = grads[i] if not maximize else -grads[i]
+        step_t, row_var, col_var, variance = state_steps[i], row_vars[i], col_vars[i], variances[i]
+        if eps1 is None:
+            eps1 = torch.finfo(param.dtype).eps
+        step_t += 1
+        step = step_t.to(torch.float64)
+        one_minus_beta2_t = step**beta2_decay
+        rho_t = torch.minimum(torch.as_tensor(lr, dtype=torch.float64), 1 / step**0.5)
+        rms = param.norm(2).to(torch.float64) / (param.numel() ** 0.5)
+        alpha = torch.clamp(rms, min=eps2) * rho_t
+        if weight_decay != 0:
+            param.mul_(1 - lr * weight_decay)
+        if grad.dim() > 1:
+            row_mean = torch.linalg.vector_norm(grad, dim=-1, keepdim=True).square_()
+            row_var.lerp_(row_mean.div_(grad.size(-1)), one_minus_beta2_t.to(row_var.dtype))
+            col_mean = torch.linalg.vector_norm(grad, dim=-2, keepdim=True).square_()
+            col_var.lerp_(col_mean.div_(grad.size(-2)), one_minus_beta2_t.to(col_var.dtype))
+            var_estimate = row_var @ col_var
+            var_estimate.div_(row_var.mean(dim=-2, keepdim=True).clamp_(min=eps1))
+        else:
+            variance.lerp_(grad * grad, one_minus_beta2_t.to(variance.dtype))
+            var_estimate = variance.clone()
+        update = var_estimate.clamp_(min=eps1 * eps1).rsqrt_()
+        update.mul_(grad)
+        rms_update = update.norm(2).to(torch.float64) / ((update.numel() ** 0.5) * d)
+        denom = torch.clamp(rms_update, min=1.0)
+        param.addcmul_(update, -alpha / denom)
+
+
+@contextlib.contextmanager
+def _traceable_torch_functions() -> Iterator[None]:
+    """While a step is traced: torch's update functions that read tensors on the host are
+    replaced by traceable ones computing the same numbers (only Adafactor's, today)."""
+    module = torch.optim._adafactor
+    original = module._single_tensor_adafactor
+    module._single_tensor_adafactor = _traceable_adafactor
+    try:
+        yield
+    finally:
+        module._single_tensor_adafactor = original
 
 
 class MNCoreTracedOptimizer(MNCoreOptimizer):
@@ -167,11 +237,27 @@ class MNCoreTracedOptimizer(MNCoreOptimizer):
         try:
             with torch.no_grad():
                 self._init_group(view, *([] for _ in range(lists)))
-            return self.state.pop(param, {})
+            return self._import_state(param, self.state.pop(param, {}))
         finally:
             param.grad = grad
             if kept is not None:
                 self.state[param] = kept
+
+    def _import_state(self, param: Tensor, loaded: dict[str, Any]) -> dict[str, Any]:
+        """The step count in double: the traced update computes its bias corrections (and
+        RAdam's rectification) from it in tensors, which torch computes in Python doubles."""
+        step = loaded.get("step")
+        if isinstance(step, Tensor) and step.dim() == 0 and step.is_floating_point():
+            loaded["step"] = step.to(_STEP_DTYPE)
+        return loaded
+
+    def _export_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """torch.optim's layout: the step count as torch stores it (float32)."""
+        state = dict(state)
+        step = state.get("step")
+        if isinstance(step, Tensor) and step.dtype == _STEP_DTYPE:
+            state["step"] = step.to(torch.get_default_dtype())
+        return state
 
     def _merge_state(self, param: Tensor, group: Mapping[str, Any], kept: dict) -> None:
         """A loaded checkpoint without state for `param` means fresh state: torch's, copied
@@ -197,7 +283,9 @@ class MNCoreTracedOptimizer(MNCoreOptimizer):
         """While torch's step runs in a trace: lr is the group's tensor, capture is on."""
         saved = []
         for group in self.param_groups:
-            saved.append({k: dict.__getitem__(group, k) for k in ("lr", *_TRACE_OPTIONS) if k in group})
+            saved.append(
+                {k: dict.__getitem__(group, k) for k in ("lr", *_TRACE_OPTIONS) if k in group}
+            )
             dict.__setitem__(group, "lr", group.tensors["lr"])
             for key, value in _TRACE_OPTIONS.items():
                 if key in group:
@@ -234,17 +322,16 @@ class MNCoreTracedOptimizer(MNCoreOptimizer):
         if not torch.compiler.is_compiling():
             with self._eager_groups():
                 return super().step(closure)
-        with self._traceable_groups(), _TensorScalars():
+        with self._traceable_groups(), _traceable_torch_functions(), _TensorScalars():
             return super().step(closure)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         frozen = [g.frozen for g in self.__dict__.get("param_groups", ())]
         super().__setstate__(state)
-        for group, values in zip(self.param_groups, frozen, strict=False):
+        for group in self.param_groups:
             group.optimizer_name = self._torch_class().__name__
-            if values is not None:  # a checkpoint loaded after compile: same fixed values
-                for key, value in values.items():
-                    if key in group:
-                        group.frozen = values
-                        group[key] = dict.__getitem__(group, key)  # raises if it differs
-                group.frozen = values
+        for group, values in zip(self.param_groups, frozen, strict=False):
+            group.frozen = values
+            for key in values or ():  # a checkpoint loaded after compile: same fixed values
+                if key in group:
+                    group[key] = dict.__getitem__(group, key)  # raises if it differs
