@@ -328,6 +328,12 @@ class MNCoreTracedOptimizer(MNCoreOptimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         frozen = [g.frozen for g in self.__dict__.get("param_groups", ())]
         super().__setstate__(state)
+        if "differentiable" not in inspect.signature(self._torch_class()).parameters:
+            # torch's Optimizer.__setstate__ adds it to the defaults of every optimizer (and
+            # ours copies defaults into the groups): torch's Adafactor groups have no such key
+            self.defaults.pop("differentiable", None)
+            for group in self.param_groups:
+                dict.pop(group, "differentiable", None)
         for group in self.param_groups:
             group.optimizer_name = self._torch_class().__name__
         for group, values in zip(self.param_groups, frozen, strict=False):
