@@ -15,10 +15,12 @@ from mncore_lightning.optimizers import MNCoreTracedOptimizer
 from tests.lightning.lightning_testing import (
     ATOL,
     TRACED_OPTIMIZER_KWARGS,
+    LitClassifier,
     assert_optimizer_state_close,
     assert_state_close,
     fit_once,
     loader,
+    make_trainer,
 )
 
 LEARNING_RATES = {"Adadelta": 1.0, "Rprop": 0.01, "ASGD": 0.05}
@@ -85,3 +87,27 @@ def test_changing_a_hyperparameter_read_as_a_number_after_compile_raises():
 def test_lbfgs_keeps_its_clear_error():
     with pytest.raises(TypeError, match="LBFGS re-evaluates its closure"):
         fit_once("mncore", {"optimizer": "lbfgs"}, max_epochs=1, train=loader(n=32))
+
+
+@pytest.mark.parametrize(
+    "first,name",
+    [("mncore", "NAdam"), ("cpu", "Rprop"), ("mncore", "Adafactor")],
+    ids=["saved-on-mncore-nadam", "saved-on-cpu-rprop", "saved-on-mncore-adafactor"],
+)
+def test_checkpoints_of_traced_optimizers_resume_exactly(tmp_path, first, name):
+    """torch.optim's state_dict layout: a checkpoint saved on either accelerator resumes on
+    mncore as if training had not stopped."""
+    kwargs = _model_kwargs(name)
+    train = lambda: loader(n=64, batch_size=16, shuffle=False)  # noqa: E731
+    trainer, straight, _ = fit_once("mncore", kwargs, train=train(), max_epochs=2)
+    straight_optimizer = trainer.optimizers[0]
+    first_trainer, _, _ = fit_once(first, kwargs, train=train(), max_epochs=1)
+    path = tmp_path / "epoch1.ckpt"
+    first_trainer.save_checkpoint(path)
+
+    resumed = LitClassifier(**kwargs)
+    trainer = make_trainer("mncore", max_epochs=2)
+    trainer.fit(resumed, train(), ckpt_path=path)
+    assert trainer.global_step == 8
+    assert_state_close(resumed, straight, atol=1e-6)
+    assert_optimizer_state_close(trainer.optimizers[0], straight_optimizer)
