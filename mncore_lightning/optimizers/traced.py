@@ -290,8 +290,10 @@ class MNCoreTracedOptimizer(MNCoreOptimizer):
             for key, value in _TRACE_OPTIONS.items():
                 if key in group:
                     dict.__setitem__(group, key, value)
-            group.frozen = {
-                k: v for k, v in dict.items(group) if k not in _NOT_FROZEN and _is_number(v)
+            group.frozen = {  # the constructor's hyperparameters, not extra keys (max_lr, ...)
+                k: dict.__getitem__(group, k)
+                for k in self.defaults
+                if k in group and k not in _NOT_FROZEN and _is_number(dict.__getitem__(group, k))
             }
         try:
             yield

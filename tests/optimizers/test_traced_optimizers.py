@@ -252,3 +252,15 @@ def test_subclasses_and_differentiable_are_refused():
         from_torch(MyRMSprop(make_mlp().parameters()))
     with pytest.raises(ValueError, match="differentiable"):
         from_torch(torch.optim.NAdam(make_mlp().parameters(), differentiable=True))
+
+
+def test_extra_group_keys_are_not_fixed():
+    """Only the constructor's hyperparameters are read by torch's update: a scheduler's or
+    user's own keys (initial_lr, max_lr, base_lr) may change after compile."""
+    model = make_mlp()
+    optimizer = convert_in_place(torch.optim.Adamax(model.parameters(), lr=0.01))
+    optimizer.param_groups[0]["base_lr"] = 0.01
+    compiled_step(model, optimizer)
+    optimizer.param_groups[0]["base_lr"] = 0.02
+    optimizer.param_groups[0]["initial_lr"] = 0.02
+    assert set(optimizer.param_groups[0].frozen) == {"betas", "eps", "weight_decay"}
