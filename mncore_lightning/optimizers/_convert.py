@@ -45,7 +45,9 @@ def from_torch(optimizer: Optimizer) -> MNCoreOptimizer:
     included), the same hyperparameters and a copy of the state, so training continues as
     it would have with `optimizer`. An MN-Core optimizer is returned as is.
 
-    Options that only pick kernels (foreach, fused, capturable) are dropped; differentiable
+    Options that only pick kernels (foreach, fused, capturable) are dropped (the traced
+    optimizers keep them in their groups, for torch's state_dict layout, and override them
+    while the step is traced); differentiable
     (gradients through the update) cannot be honoured and is refused with a ValueError.
     Other optimizers, including subclasses of these, are refused with a TypeError; LBFGS
     with one that says why (its step re-evaluates the closure a data-dependent number of times).
