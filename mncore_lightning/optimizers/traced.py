@@ -118,6 +118,11 @@ class _TensorScalars(TorchFunctionMode):
         additive = name in ("add", "add_", "sub", "sub_")
         keyword = "alpha" if additive else "value"
         scale = kwargs.get(keyword)
+        if additive and _is_number(scale) and scale != 1 and _floating(args):
+            # A number alpha too (L2 weight decay: `grad.add(param, alpha=wd)`): Inductor
+            # (torch 2.14, preset O1 and up) miscomputes `mm(a, b).add(w, alpha=c)`, the
+            # weight gradient's case; addcmul computes the same bits and is compiled right.
+            scale = torch.tensor(scale, dtype=torch.float64)
         if (
             (additive or name in ("addcmul", "addcmul_", "addcdiv", "addcdiv_"))
             and isinstance(scale, Tensor)
@@ -132,6 +137,16 @@ class _TensorScalars(TorchFunctionMode):
                 return addcmul(other, scale, **kwargs)
             return func(this, other * scale, *rest, **kwargs)
         return func(*args, **kwargs)
+
+
+def _floating(args: tuple) -> bool:
+    return (
+        len(args) >= 2
+        and isinstance(args[0], Tensor)
+        and isinstance(args[1], Tensor)
+        and args[0].is_floating_point()
+        and args[1].is_floating_point()
+    )
 
 
 def _traceable_adafactor(

@@ -264,3 +264,31 @@ def test_extra_group_keys_are_not_fixed():
     optimizer.param_groups[0]["base_lr"] = 0.02
     optimizer.param_groups[0]["initial_lr"] = 0.02
     assert set(optimizer.param_groups[0].frozen) == {"betas", "eps", "weight_decay"}
+
+
+def test_l2_weight_decay_compiles_right_under_inductor():
+    """torch's `grad.add(param, alpha=weight_decay)` on a weight gradient (an mm) is
+    miscomputed by Inductor in torch 2.14 (`mm(a, b).add(w, alpha=c)`); the traced step
+    computes it with addcmul, so preset O1 matches torch too."""
+    model, reference = make_mlp(), make_mlp()
+    kwargs = {"lr": 0.01, "weight_decay": 0.1}
+    optimizer = convert_in_place(torch.optim.RMSprop(model.parameters(), **kwargs))
+    expected = torch.optim.RMSprop(reference.parameters(), **kwargs)
+    context = new_context()
+    register(context, model, optimizer)
+
+    def step(batch):
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(batch["x"]), batch["y"])
+        loss.backward()
+        optimizer.step()
+        return {"loss": loss}
+
+    compiled = context.compile(
+        step, {"x": INPUTS[0], "y": TARGETS[0]}, options={"option_json": "O1"}
+    )
+    for i in range(10):
+        loss = compiled({"x": INPUTS[i], "y": TARGETS[i]})["loss"].item()
+        assert loss == pytest.approx(eager_step(reference, expected, i), rel=1e-5, abs=1e-6)
+    context.synchronize()
+    assert_same_params(model, reference, rtol=1e-5, atol=1e-6)
