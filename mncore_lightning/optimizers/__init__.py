@@ -1,4 +1,8 @@
-"""Optimizers for MN-Core: torch.optim's SGD, Adam and AdamW, traceable into a static step.
+"""Optimizers for MN-Core: torch.optim's, traceable into a static step.
+
+SGD, Adam and AdamW have hand-written classes (MNCoreSGD, MNCoreAdam, MNCoreAdamW); RMSprop,
+Adagrad, Adadelta, Adamax, NAdam, RAdam, ASGD, Rprop and Adafactor run torch's own update,
+traced (`MNCoreTracedOptimizer`). LBFGS cannot run in a static step.
 
 A compiled MN-Core training step is traced once and replayed, so these optimizers keep
 their hyperparameters in 0-d tensors (a host-side `group["lr"] = x` refills them in place,
@@ -10,9 +14,13 @@ from ._base import LiveHyperparameter, MNCoreOptimizer, ParamGroup, live_hyperpa
 from ._convert import TORCH_EQUIVALENTS, device_optimizer, from_torch, to_mlsdk_optimizer
 from .adam import MNCoreAdam, MNCoreAdamW
 from .sgd import MNCoreSGD
+from .traced import TRACED_TORCH_OPTIMIZERS, MNCoreTracedOptimizer, TracedParamGroup
 
 __all__ = [
     "TORCH_EQUIVALENTS",
+    "TRACED_TORCH_OPTIMIZERS",
+    "MNCoreTracedOptimizer",
+    "TracedParamGroup",
     "LiveHyperparameter",
     "live_hyperparameters",
     "device_optimizer",

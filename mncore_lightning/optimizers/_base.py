@@ -150,18 +150,12 @@ class ParamGroup(dict[str, Any]):
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Pickle and deepcopy: rebuild without replaying __setitem__ on a half-built group.
-        return (_rebuild_group, (dict(self), self._coefficients, self.tensors, self._values))
+        return (_rebuild_group, (type(self), dict(self)), dict(self.__dict__))
 
 
-def _rebuild_group(
-    items: dict[str, Any],
-    coefficients: Coefficients,
-    tensors: dict[str, Tensor],
-    values: dict[str, float],
-) -> ParamGroup:
-    group = ParamGroup.__new__(ParamGroup)
-    dict.update(group, items)
-    group._coefficients, group.tensors, group._values = coefficients, tensors, values
+def _rebuild_group(cls: type[ParamGroup], items: dict[str, Any]) -> ParamGroup:
+    group = cls.__new__(cls)
+    dict.update(group, items)  # its attributes (tensors, ...) follow as the pickled state
     return group
 
 
@@ -174,6 +168,7 @@ class MNCoreOptimizer(Optimizer):
     """
 
     _coefficients: Coefficients
+    _group_class: type[ParamGroup] = ParamGroup
 
     def _init_state(self, param: Tensor, group: Mapping[str, Any]) -> None:
         """Create the state of `param` that is missing (all state starts at zero)."""
@@ -189,7 +184,7 @@ class MNCoreOptimizer(Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """As torch.optim, plus the group's coefficient tensors and its eager state."""
-        group = ParamGroup(param_group, self._coefficients)
+        group = self._group_class(param_group, self._coefficients)
         super().add_param_group(group)
         group.bind()
         for param in group["params"]:
@@ -251,7 +246,7 @@ class MNCoreOptimizer(Optimizer):
         for index, loaded in enumerate(self.param_groups):
             for key, default in self.defaults.items():
                 loaded.setdefault(key, default)
-            group = ParamGroup(loaded, self._coefficients)
+            group = self._group_class(loaded, self._coefficients)
             group.bind(previous_groups[index].tensors if previous_groups else None)
             groups.append(group)
         self.param_groups = groups

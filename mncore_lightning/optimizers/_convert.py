@@ -21,6 +21,7 @@ from mncore_device.mlsdk_backend import import_mlsdk, mlsdk_optimizer_classes
 from ._base import MNCoreOptimizer
 from .adam import MNCoreAdam, MNCoreAdamW
 from .sgd import MNCoreSGD
+from .traced import TRACED_TORCH_OPTIMIZERS, MNCoreTracedOptimizer
 
 # Exact types: a subclass of torch.optim.SGD may change the update rule.
 TORCH_EQUIVALENTS: Mapping[type[Optimizer], type[MNCoreOptimizer]] = MappingProxyType(
@@ -33,25 +34,31 @@ _IGNORED_OPTIONS = {"foreach": None, "fused": None, "capturable": False}
 
 
 def from_torch(optimizer: Optimizer) -> MNCoreOptimizer:
-    """Build the MN-Core equivalent of a torch.optim SGD, Adam or AdamW.
+    """Build the MN-Core equivalent of a torch.optim optimizer.
+
+    SGD, Adam and AdamW become MNCoreSGD, MNCoreAdam and MNCoreAdamW. The other optimizers
+    that a static step can run (`TRACED_TORCH_OPTIMIZERS`: RMSprop, Adagrad, Adadelta,
+    Adamax, NAdam, RAdam, ASGD, Rprop, Adafactor) become an instance of their own class with
+    `MNCoreTracedOptimizer` mixed in (named as theirs): torch's update, traced.
 
     The result has the same param groups (every key, extra ones such as "initial_lr"
     included), the same hyperparameters and a copy of the state, so training continues as
     it would have with `optimizer`. An MN-Core optimizer is returned as is.
 
-    Options that only pick kernels (foreach, fused, capturable) are dropped; differentiable
+    Options that only pick kernels (foreach, fused, capturable) are dropped (the traced
+    optimizers keep them in their groups, for torch's state_dict layout, and override them
+    while the step is traced); differentiable
     (gradients through the update) cannot be honoured and is refused with a ValueError.
-    Other optimizers, including subclasses of these three, are refused with a TypeError.
+    Other optimizers, including subclasses of these, are refused with a TypeError; LBFGS
+    with one that says why (its step re-evaluates the closure a data-dependent number of times).
     """
     if isinstance(optimizer, MNCoreOptimizer):
         return optimizer
     target = TORCH_EQUIVALENTS.get(type(optimizer))
+    if target is None and type(optimizer) in TRACED_TORCH_OPTIMIZERS:
+        target = _in_place_class(type(optimizer), MNCoreTracedOptimizer)
     if target is None:
-        supported = ", ".join(f"torch.optim.{t.__name__}" for t in TORCH_EQUIVALENTS)
-        raise TypeError(
-            f"cannot convert {type(optimizer).__module__}.{type(optimizer).__qualname__} to an "
-            f"MN-Core optimizer: supported optimizers are {supported}"
-        )
+        raise TypeError(_refusal(type(optimizer)))
     for group in (optimizer.defaults, *optimizer.param_groups):
         if group.get("differentiable"):
             raise ValueError(
@@ -63,11 +70,32 @@ def from_torch(optimizer: Optimizer) -> MNCoreOptimizer:
     groups = [{**group, "params": list(group["params"])} for group in optimizer.param_groups]
     converted = target(groups, **kwargs)
     converted.load_state_dict(optimizer.state_dict())  # copies: nothing is shared
-    for group in converted.param_groups:
-        for key, value in _IGNORED_OPTIONS.items():
-            if key in group:
-                group[key] = value
+    if not isinstance(converted, MNCoreTracedOptimizer):  # traced ones keep torch's options
+        for group in converted.param_groups:
+            for key, value in _IGNORED_OPTIONS.items():
+                if key in group:
+                    group[key] = value
     return converted
+
+
+def _supported() -> str:
+    names = [*TORCH_EQUIVALENTS, *sorted(TRACED_TORCH_OPTIMIZERS, key=lambda t: t.__name__)]
+    return ", ".join(f"torch.optim.{t.__name__}" for t in names)
+
+
+def _refusal(cls: type[Optimizer]) -> str:
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    if issubclass(cls, torch.optim.LBFGS):
+        return (
+            f"cannot convert {name} to an MN-Core optimizer: LBFGS re-evaluates its closure "
+            "(forward and backward) a data-dependent number of times per step (line search, "
+            "convergence tests read on the host), which a static compiled step cannot do. "
+            f"Use one of {_supported()}, or accelerator='cpu' for LBFGS."
+        )
+    return (
+        f"cannot convert {name} to an MN-Core optimizer: supported optimizers are "
+        f"{_supported()} (exact classes: a subclass may change the update)"
+    )
 
 
 # --- MLSDK's optimizers -------------------------------------------------------------------
@@ -98,13 +126,14 @@ _TORCH_OF = {ours: theirs for theirs, ours in TORCH_EQUIVALENTS.items()}
 
 
 def convert_in_place(optimizer: Optimizer) -> Optimizer:
-    """Make a torch.optim SGD, Adam or AdamW compute as its MN-Core equivalent, in place.
+    """Make a torch.optim optimizer compute as its MN-Core equivalent, in place.
 
     The object stays the user's: every reference to it (a scheduler the module keeps, a
     callback), `isinstance(optimizer, torch.optim.SGD)` and its class name (which
     LearningRateMonitor puts in its keys) are what they were. Its class becomes a subclass of
-    both (`SGD(MNCoreSGD, torch.optim.SGD)`, named as the original), and its param groups and
-    state become those `from_torch` builds. An MN-Core optimizer is returned as is.
+    both (`SGD(MNCoreSGD, torch.optim.SGD)`, `RMSprop(MNCoreTracedOptimizer,
+    torch.optim.RMSprop)`, named as the original), and its param groups and state become
+    those `from_torch` builds. An MN-Core optimizer is returned as is.
     """
     if isinstance(optimizer, MNCoreOptimizer):
         return optimizer
@@ -126,6 +155,8 @@ _IN_PLACE_CLASSES: dict[type[Optimizer], type[Optimizer]] = {}
 
 def _in_place_class(original: type[Optimizer], ours: type[MNCoreOptimizer]) -> type[Optimizer]:
     """`class SGD(MNCoreSGD, torch.optim.SGD)`: our step and state, torch's name and type."""
+    if issubclass(ours, original):  # already the in-place class (traced torch optimizers)
+        return ours
     if original not in _IN_PLACE_CLASSES:
         _IN_PLACE_CLASSES[original] = type(
             original.__name__,

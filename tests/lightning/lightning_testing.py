@@ -78,7 +78,24 @@ def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=lr, weight_decay=0.1)
     if name == "lbfgs":
         return torch.optim.LBFGS(params, lr=lr)
+    if name in TRACED_OPTIMIZER_KWARGS:  # torch.optim's own update, traced on MN-Core
+        return getattr(torch.optim, name)(params, lr=lr, **TRACED_OPTIMIZER_KWARGS[name])
     raise ValueError(name)
+
+
+# The torch.optim optimizers without a hand-written MN-Core class, by class name, with
+# options that take their less common paths (momentum, centering, weight decay, ...).
+TRACED_OPTIMIZER_KWARGS: dict[str, dict[str, Any]] = {
+    "RMSprop": {"momentum": 0.9, "centered": True, "weight_decay": 0.01},
+    "Adagrad": {"lr_decay": 0.01, "initial_accumulator_value": 0.1},
+    "Adadelta": {"weight_decay": 0.01},
+    "Adamax": {"weight_decay": 0.01},
+    "NAdam": {"decoupled_weight_decay": True, "weight_decay": 0.01},
+    "RAdam": {"weight_decay": 0.01},
+    "ASGD": {"t0": 2, "weight_decay": 0.01},
+    "Rprop": {},
+    "Adafactor": {"weight_decay": 0.01},
+}
 
 
 class LitClassifier(L.LightningModule):
