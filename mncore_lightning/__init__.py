@@ -7,7 +7,7 @@ on MN-Core (real hardware with MLSDK, or the emulator on CPU/CUDA).
 
 from mncore_device import add_library_dirs
 
-from . import lightning_patch
+from . import lightning_patch, standalone
 from .accelerator import MNCoreAccelerator
 from .optimizers import MNCoreAdam, MNCoreAdamW, MNCoreSGD
 from .precision import MNCorePrecision
@@ -18,6 +18,7 @@ add_library_dirs(
     "mncore_lightning", "lightning", "pytorch_lightning", "lightning_fabric", "torchmetrics"
 )
 lightning_patch.install()
+standalone.install()  # the same for `import pytorch_lightning`, where it is installed
 
 __all__ = [
     "MNCoreAccelerator",
