@@ -8,10 +8,13 @@ step) through `trainer.fit` under:
 each in its own subprocess (so peak RSS is per configuration), repeated and interleaved.
 Steps/s counts steady-state steps only (the first epoch, which holds the compile, is timed
 separately as "first epoch seconds"). Also reports where an mncore step's time goes: the
-DataLoader, Lightning's loop, the compiled call, replaying `self.log`, and the strategy's own
-overhead.
+DataLoader, Lightning's loop, the compiled call, replaying `self.log`, the strategy's own
+overhead and, within it, the guards' share (measured with the guards switched off), and how
+often a fit synchronized the host. A config ending in "-bf16" runs precision="bf16-mixed";
+`--model cnn` runs examples/mnist_cnn.py's CNN instead of the MLP.
 
-    python benchmarks/bench_lightning.py [--repeats 3] [--epochs 4] [--out benchmarks/results/lightning.json]
+    python benchmarks/bench_lightning.py [--repeats 3] [--epochs 4] [--model mlp|cnn]
+        [--configs eager cpu mncore-O0 mncore-O1 cpu-bf16 mncore-O1-bf16] [--out FILE]
 """
 
 from __future__ import annotations
@@ -30,17 +33,23 @@ STEPS_PER_EPOCH = 100
 BATCH = 64
 
 
-def _data():
+def _data(model: str = "mlp"):
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
+    side = 32 if model == "mlp" else 28  # the tutorial pads to 32x32; the CNN takes 28x28
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(STEPS_PER_EPOCH * BATCH, 1, 32, 32, generator=g)
+    x = torch.randn(STEPS_PER_EPOCH * BATCH, 1, side, side, generator=g)
     y = torch.randint(0, 10, (STEPS_PER_EPOCH * BATCH,), generator=g)
     return DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=True, drop_last=True)
 
 
-def _module_cls():
+def _module_cls(model: str = "mlp"):
+    if model == "cnn":  # examples/mnist_cnn.py's MNISTConvNet (grokking-pytorch's CNN)
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+        from mnist_cnn import MNISTConvNet
+
+        return MNISTConvNet
     import lightning as L
     import torch
     import torch.nn.functional as F
@@ -93,14 +102,19 @@ class _EpochTimer:
         self.callback = Cb()
 
 
-def run_one(config: str, epochs: int) -> dict:
-    """Run one configuration in this process; returns its timings."""
+def run_one(config: str, epochs: int, model_name: str = "mlp") -> dict:
+    """Run one configuration in this process; returns its timings.
+
+    config: "eager", "cpu" or "mncore-<preset>", with "-bf16" for precision="bf16-mixed".
+    """
     import torch
 
     torch.set_num_threads(2)
     torch.manual_seed(0)
-    loader = _data()
-    model = _module_cls()()
+    loader = _data(model_name)
+    model = _module_cls(model_name)()
+    precision = "bf16-mixed" if config.endswith("-bf16") else "32-true"
+    config = config.removesuffix("-bf16")
     if config == "eager":
         return _run_eager(model, loader, epochs)
     import lightning as L
@@ -115,6 +129,7 @@ def run_one(config: str, epochs: int) -> dict:
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[timer.callback],
+        precision=precision,
     )
     if config == "cpu":
         trainer = L.Trainer(accelerator="cpu", **kwargs)
@@ -239,10 +254,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--configs", nargs="+", default=["eager", "cpu", "mncore-O0", "mncore-O1"])
     parser.add_argument("--out", default="benchmarks/results/lightning.json")
+    parser.add_argument("--model", choices=["mlp", "cnn"], default="mlp")
     parser.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args._child:
-        result = run_one(args._child, args.epochs)
+        result = run_one(args._child, args.epochs, args.model)
         result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print("RESULT " + json.dumps(result))
         return result
@@ -251,7 +267,16 @@ def main(argv: list[str] | None = None) -> dict:
     for repeat in range(args.repeats):
         for config in args.configs:  # interleaved, so drift hits every configuration alike
             out = subprocess.run(
-                [sys.executable, __file__, "--_child", config, "--epochs", str(args.epochs)],
+                [
+                    sys.executable,
+                    __file__,
+                    "--_child",
+                    config,
+                    "--epochs",
+                    str(args.epochs),
+                    "--model",
+                    args.model,
+                ],
                 capture_output=True,
                 text=True,
                 env={**os.environ, "PYTHONWARNINGS": "ignore"},
@@ -262,7 +287,13 @@ def main(argv: list[str] | None = None) -> dict:
             runs[config].append(json.loads(line[len("RESULT ") :]))
             print(f"repeat {repeat} {config}: {runs[config][-1]['steps_per_second']:.0f} steps/s")
 
-    report = {"batch": BATCH, "steps_per_epoch": STEPS_PER_EPOCH, "threads": 2, "configs": {}}
+    report = {
+        "model": args.model,
+        "batch": BATCH,
+        "steps_per_epoch": STEPS_PER_EPOCH,
+        "threads": 2,
+        "configs": {},
+    }
     cpu = statistics.median(r["steps_per_second"] for r in runs["cpu"]) if "cpu" in runs else None
     for config, results in runs.items():
         sps = statistics.median(r["steps_per_second"] for r in results)
