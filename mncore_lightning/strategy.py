@@ -1,11 +1,13 @@
 """`MNCoreStrategy`: every training batch is ONE compiled call on the MN-Core device.
 
-At setup the strategy converts the optimizer to its MN-Core equivalent, names and registers
-the module's parameters and buffers and the optimizer's state with a device-layer Context.
-The first training batch compiles zero_grad + training_step + backward + clipping + the
-update into one static graph; every later batch is one call of it. Validation, test and
-predict steps get forward-only graphs that read the device's current weights. Host tensors
-are refreshed from the device before checkpoints, at the end of fit and on teardown.
+At setup the strategy converts the optimizers in place to ones the device runs, names and
+registers the module's parameters and buffers and the optimizers' state with a device-layer
+Context. The first training batch compiles zero_grad + training_step + backward + clipping +
+the update into one static graph (or the user's whole manual step); every later batch is one
+call of it. Validation, test and predict steps get forward-only graphs that read the device's
+current weights. What a step was traced for is checked at batch boundaries (guards.py) and
+the step traced again when it changed; host tensors are refreshed before the hooks the user
+overrides and before checkpoints, and host edits are pushed back (host_sync.py).
 """
 
 from __future__ import annotations
