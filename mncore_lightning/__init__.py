@@ -18,7 +18,7 @@ add_library_dirs(
     "mncore_lightning", "lightning", "pytorch_lightning", "lightning_fabric", "torchmetrics"
 )
 lightning_patch.install()
-standalone.install()  # the same for `import pytorch_lightning`, where it is installed
+standalone.install_when_imported()  # the same for `import pytorch_lightning`
 
 __all__ = [
     "MNCoreAccelerator",

@@ -5,13 +5,16 @@ one source by rewriting the imports; a Trainer of one refuses the other's classe
 does the same for the plugin: the modules that name Lightning are loaded a second time with
 `lightning.pytorch` read as `pytorch_lightning` (and `lightning.fabric` as `lightning_fabric`),
 as the package `mncore_lightning.pl`; everything else (optimizers, carried state, guards, the
-device layer) is shared. `import mncore_lightning` does it when `pytorch_lightning` is installed,
-so `pl.Trainer(accelerator="mncore")` works as `lightning.Trainer(accelerator="mncore")` does.
+device layer) is shared. It is done when `pytorch_lightning` is imported, before or after
+`mncore_lightning` (never eagerly: importing the second package changes process-wide state, such
+as which logger Lightning's rank-zero messages go to), so `pl.Trainer(accelerator="mncore")`
+works as `lightning.Trainer(accelerator="mncore")` does.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
 import importlib.util
 import sys
 import types
@@ -39,6 +42,42 @@ _SHARED = (
     "step_counters",
 )
 _RENAMES = (("lightning.pytorch", "pytorch_lightning"), ("lightning.fabric", "lightning_fabric"))
+
+
+def install_when_imported() -> None:
+    """Build `mncore_lightning.pl` now if pytorch_lightning is imported, else once it is."""
+    if "pytorch_lightning" in sys.modules:
+        install()
+    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport())
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Lets `import pytorch_lightning` load as usual, then calls install()."""
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None):
+        if fullname != "pytorch_lightning":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _ThenInstall(spec.loader)
+        return spec
+
+
+class _ThenInstall(importlib.abc.Loader):
+    def __init__(self, loader: importlib.abc.Loader) -> None:
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        self.loader.exec_module(module)
+        install()
+
+    def __getattr__(self, name: str):  # resource readers and the like
+        return getattr(self.loader, name)
 
 
 def install() -> types.ModuleType | None:
