@@ -224,6 +224,7 @@ class CompiledHook:
     ) -> None:
         self.compiled = compiled
         self.effects = effects
+        self.used_counters: frozenset[str] = frozenset(COUNTERS)  # narrowed by compile_hook
         self.carried = carried
         self.extra_args = extra_args[1:]  # what follows batch_idx (dataloader_idx), fixed
         self.layout = layout
@@ -237,7 +238,7 @@ class CompiledHook:
     def __call__(
         self, module: Any, inputs: dict[str, torch.Tensor], counters: dict[str, int]
     ) -> Any:
-        inputs = {**inputs, **counter_inputs(counters)}
+        inputs = {**inputs, **counter_inputs(counters, self.used_counters)}
         if self.carried.slots:
             inputs.update(self.carried.inputs())
         outputs = self.to_host(self.compiled(inputs))
@@ -284,6 +285,7 @@ def compile_hook(
     gradient_params: dict[str, torch.Tensor] = {}
     carried = CarriedState(module)
     effects = SideEffects(module, recorder)
+    used: set[str] = set()  # the counters the graph computes with
     user_hook = getattr(module, hook_name)
     precision = module.trainer.strategy.precision_plugin
 
@@ -295,7 +297,7 @@ def compile_hook(
         batch = layout.rebuild(graph_inputs)
         carried.bind(graph_inputs)
         live = {
-            name: LiveCounter(counters[name], name, graph_inputs[COUNTER_PREFIX + name])
+            name: LiveCounter(counters[name], name, graph_inputs[COUNTER_PREFIX + name], used)
             for name in COUNTERS
         }
         # batch_idx follows the batch; dataloader_idx is fixed per compiled hook
@@ -402,6 +404,7 @@ def compile_hook(
     compiled_hook = CompiledHook(
         compiled, layout, recorder, returned, to_host, gradient_params, carried, extra_args, effects
     )
+    compiled_hook.used_counters = frozenset(used)
     return compiled_hook, inputs
 
 

@@ -23,21 +23,33 @@ COUNTER_PREFIX = "counter/"
 COUNTERS = ("batch_idx", "global_step", "current_epoch")
 
 
-def counter_inputs(values: dict[str, int]) -> dict[str, torch.Tensor]:
+_UNUSED = torch.zeros((), dtype=torch.int64)
+
+
+def counter_inputs(
+    values: dict[str, int], used: set[str] | frozenset[str] = frozenset(COUNTERS)
+) -> dict[str, torch.Tensor]:
     """The graph inputs for one call: each counter as a 0-d int64 tensor, so that arithmetic
     on it has the dtypes arithmetic on a Python int would give a tensor (`step / 4` and
-    `step * 0.5` in the default float dtype, `step // 2` an integer)."""
-    return {COUNTER_PREFIX + name: torch.tensor(values[name]) for name in COUNTERS}
+    `step * 0.5` in the default float dtype, `step // 2` an integer). A counter the graph never
+    computed with (`used`) gets a shared placeholder instead of a new tensor."""
+    return {
+        COUNTER_PREFIX + name: torch.tensor(values[name]) if name in used else _UNUSED
+        for name in COUNTERS
+    }
 
 
 class LiveCounter(int):
     """A step counter while a step is traced: arithmetic follows the live value; control flow
     on it raises."""
 
-    def __new__(cls, value: int, name: str, tensor: torch.Tensor) -> LiveCounter:
+    def __new__(
+        cls, value: int, name: str, tensor: torch.Tensor, used: set[str] | None = None
+    ) -> LiveCounter:
         counter = super().__new__(cls, value)
         counter.name = name
         counter.tensor = tensor
+        counter.used = used if used is not None else set()
         return counter
 
     def _static(self, *args: Any) -> Any:
@@ -58,6 +70,7 @@ class LiveCounter(int):
 
 def _arithmetic(name: str):
     def method(self: LiveCounter, *args: Any) -> Any:
+        self.used.add(self.name)  # the graph reads this counter: feed its value at each call
         return getattr(self.tensor, name)(*args)
 
     method.__name__ = name

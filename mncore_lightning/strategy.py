@@ -204,6 +204,7 @@ class MNCoreStrategy(SingleDeviceStrategy):
         self._train_hook = None
         self._train_hooks = {}
         self._train_key: tuple | None = None
+        self._carried: tuple | None = None
         self._grad_buffers: dict[torch.Tensor, torch.Tensor] = {}
         self._eval_hooks = {}
         self._device_is_newer = False
@@ -255,7 +256,7 @@ class MNCoreStrategy(SingleDeviceStrategy):
         window = 1 if manual else module.trainer.accumulate_grad_batches
         update = window == 1 or self._updating
         # One graph per kind of micro-batch: accumulating, or ending a window with the update.
-        carried = (carried_signature(module), window, update)
+        carried = (self._carried_signature(), window, update)
         layout, inputs = BatchLayout.of(batch)
         if self._train_hook is not None and self._train_key != carried:
             # carried tensors changed structure (None -> a tensor, say), or accumulation
@@ -294,6 +295,7 @@ class MNCoreStrategy(SingleDeviceStrategy):
             self._train_hooks[carried] = self._train_hook
             self._train_key = carried
         result = self._train_hook(module, inputs, counters)
+        self._after_call(self._train_hook)
         self._device_is_newer = True
         self._gradients = self._train_hook.gradients
         self.compiled_calls += 1
@@ -321,6 +323,18 @@ class MNCoreStrategy(SingleDeviceStrategy):
                     self._grad_buffers[param] = buffer
             self._host_versions = HostVersions(list(self.context.registered_tensors().values()))
         return self._grad_buffers
+
+    def _carried_signature(self) -> tuple:
+        """The module's carried tensors (carried_state.signature), scanned again only when they
+        may have changed: after a user hook ran, or after a step that assigns them. Between
+        steps of a plain loop no user code runs, so the scan is not repeated per step."""
+        if self._carried is None:
+            self._carried = carried_signature(self.lightning_module)
+        return self._carried
+
+    def _after_call(self, hook: CompiledHook) -> None:
+        if hook.carried.assigned:  # the step set carried tensors on the modules
+            self._carried = None
 
     def _check_training_batch(self, layout: BatchLayout, inputs: dict, counters: dict) -> None:
         """A batch unlike the compiled step's: at an epoch boundary (a reloaded DataLoader, a
@@ -357,7 +371,7 @@ class MNCoreStrategy(SingleDeviceStrategy):
         counters = self._counters(rest)
         layout, inputs = BatchLayout.of(batch)
         hooks = self._eval_hooks.setdefault(self._stage(), [])
-        carried = carried_signature(self.lightning_module)
+        carried = self._carried_signature()
         for hook in hooks:
             if (
                 hook.layout == layout
@@ -375,7 +389,9 @@ class MNCoreStrategy(SingleDeviceStrategy):
             hook, inputs = self._compile(hook_name, batch, rest, optimizer=None, counters=counters)
             hooks.append(hook)
         self.compiled_calls += 1
-        return hook(self.lightning_module, inputs, counters)
+        result = hook(self.lightning_module, inputs, counters)
+        self._after_call(hook)
+        return result
 
     def _counters(self, rest: tuple) -> dict[str, int]:
         """The step counters a compiled step reads live (step_counters.py)."""
@@ -446,6 +462,7 @@ class MNCoreStrategy(SingleDeviceStrategy):
             # hook's edits, some of which no version counter sees (`p.data.copy_(x)`, as
             # weight-averaging callbacks swap weights): push all of it.
             self.user_hook_ran = False
+            self._carried = None  # a hook may have set or cleared a carried tensor
             self._check_structure()
             if not self._device_is_newer:
                 self.context.load_from_host()
