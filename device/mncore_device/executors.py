@@ -58,9 +58,35 @@ def _compile_with_inductor(
     options.update(preset.inductor_options)
     if example_args and example_args[0].device.type != "cuda":
         options.pop("triton.cudagraphs", None)
+    _scale_before_adding(gm)
     with _inductor_cache_dir(cache_dir), _static_shape_env(example_args) as fake_args:
         compiled = compile_fx(gm, fake_args, config_patches=options)
     return lambda args: compiled(*args)
+
+
+def _scale_before_adding(gm: fx.GraphModule) -> None:
+    """Rewrite `add(x, y, alpha=a)` / `sub(x, y, alpha=a)` as `add(x, mul(y, a))`.
+
+    TorchInductor in torch 2.14.1 miscompiles `add(w, add(mm(a, b), w, alpha=c), alpha=d)`
+    (a weight-decay update on a matmul's gradient): the result is off by far more than
+    rounding. The same math with the scaling as its own op compiles correctly.
+    """
+    aten = torch.ops.aten
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in (aten.add.Tensor, aten.sub.Tensor):
+            continue
+        alpha = node.kwargs.get("alpha", 1)
+        if alpha == 1 or len(node.args) != 2:
+            continue
+        with gm.graph.inserting_before(node):
+            scaled = gm.graph.call_function(aten.mul.Tensor, (node.args[1], alpha))
+        scaled.meta.update(node.meta)
+        node.args = (node.args[0], scaled)
+        node.kwargs = {k: v for k, v in node.kwargs.items() if k != "alpha"}
+        changed = True
+    if changed:
+        gm.recompile()
 
 
 @contextlib.contextmanager

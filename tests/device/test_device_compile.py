@@ -178,3 +178,17 @@ def test_non_contiguous_inputs_work_with_o0(compiled_add, xy):
     assert not x.is_contiguous()
     out = compiled_add({"x": x, "y": xy["y"]})["out"]
     torch.testing.assert_close(out, xy["x"] + xy["y"], rtol=0, atol=0)
+
+
+def test_o1_computes_an_add_with_alpha_after_a_matmul_as_eager(context):
+    """TorchInductor (torch 2.14.1) miscompiles add(w, add(mm, w, alpha=c), alpha=d), the shape
+    of an L2 weight-decay update; the O1 executor rewrites the scaling so that it does not."""
+
+    def step(batch):
+        w, x, y = batch["w"], batch["x"], batch["y"]
+        return {"out": w.add(torch.mm(y.t(), x).add(w, alpha=0.01), alpha=-0.1)}
+
+    torch.manual_seed(0)
+    batch = {"w": torch.randn(4, 3), "x": torch.randn(5, 3), "y": torch.randn(5, 4)}
+    compiled = context.compile(step, batch, options={"option_json": "O1"})
+    torch.testing.assert_close(compiled(batch)["out"], step(batch)["out"], rtol=1e-6, atol=1e-6)
