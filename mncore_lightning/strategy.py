@@ -214,7 +214,8 @@ class MNCoreStrategy(SingleDeviceStrategy):
         if self._host_sync not in trainer.callbacks:
             self._user_hooks = overridden_hooks(module, trainer.callbacks)
             self._host_sync = HostSync(self, self._user_hooks)
-            trainer.callbacks.insert(0, self._host_sync)
+            if self._user_hooks:  # nobody overrides a hook: no callback, no per-batch calls
+                trainer.callbacks.insert(0, self._host_sync)
         self._gradients: list[tuple[torch.nn.Parameter, torch.Tensor, int]] = []
 
     def _check_structure(self) -> None:
