@@ -221,10 +221,11 @@ class CompiledHook:
         carried: CarriedState,
         extra_args: tuple,
         effects: SideEffects,
+        used_counters: frozenset[str],
     ) -> None:
         self.compiled = compiled
         self.effects = effects
-        self.used_counters: frozenset[str] = frozenset(COUNTERS)  # narrowed by compile_hook
+        self.used_counters = used_counters  # the counters the graph computes with
         self.carried = carried
         self.extra_args = extra_args[1:]  # what follows batch_idx (dataloader_idx), fixed
         self.layout = layout
@@ -402,9 +403,17 @@ def compile_hook(
     finally:
         carried.restore()
     compiled_hook = CompiledHook(
-        compiled, layout, recorder, returned, to_host, gradient_params, carried, extra_args, effects
+        compiled,
+        layout,
+        recorder,
+        returned,
+        to_host,
+        gradient_params,
+        carried,
+        extra_args,
+        effects,
+        frozenset(used),
     )
-    compiled_hook.used_counters = frozenset(used)
     return compiled_hook, inputs
 
 

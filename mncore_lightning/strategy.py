@@ -208,7 +208,7 @@ class MNCoreStrategy(SingleDeviceStrategy):
         self._grad_buffers: dict[torch.Tensor, torch.Tensor] = {}
         self._eval_hooks = {}
         self._device_is_newer = False
-        self._host_versions = HostVersions(list(self.context.registered_tensors().values()))
+        self._watch_host_tensors()
         self._structure = structure_of(module, self.optimizers)
         trainer = module.trainer
         if self._host_sync not in trainer.callbacks:
@@ -256,18 +256,19 @@ class MNCoreStrategy(SingleDeviceStrategy):
         manual = not module.automatic_optimization
         window = 1 if manual else module.trainer.accumulate_grad_batches
         update = window == 1 or self._updating
-        # One graph per kind of micro-batch: accumulating, or ending a window with the update.
-        carried = (self._carried_signature(), window, update)
+        # One graph per carried-tensor signature and kind of micro-batch (accumulating, or
+        # ending a window with the update).
+        key = (self._carried_signature(), window, update)
         layout, inputs = BatchLayout.of(batch)
-        if self._train_hook is not None and self._train_key != carried:
+        if self._train_hook is not None and self._train_key != key:
             # carried tensors changed structure (None -> a tensor, say), or accumulation
             # moved to the other kind of micro-batch: a step traced for them before is
             # reused, otherwise the step is traced again
-            previous, self._train_key = self._train_key, carried
-            self._train_hook = self._train_hooks.get(carried)
-            if self._train_hook is None and previous[0] != carried[0]:
-                self._retrace("training_step", carried_change(previous[0], carried[0]))
-            elif self._train_hook is None and previous[1] != carried[1]:
+            previous, self._train_key = self._train_key, key
+            self._train_hook = self._train_hooks.get(key)
+            if self._train_hook is None and previous[0] != key[0]:
+                self._retrace("training_step", carried_change(previous[0], key[0]))
+            elif self._train_hook is None and previous[1] != key[1]:
                 self._retrace(
                     "training_step", f"accumulate_grad_batches changed {previous[1]} -> {window}"
                 )
@@ -293,8 +294,8 @@ class MNCoreStrategy(SingleDeviceStrategy):
                 update=update,
                 counters=counters,
             )
-            self._train_hooks[carried] = self._train_hook
-            self._train_key = carried
+            self._train_hooks[key] = self._train_hook
+            self._train_key = key
         result = self._train_hook(module, inputs, counters)
         self._after_call(self._train_hook)
         self._device_is_newer = True
@@ -322,8 +323,12 @@ class MNCoreStrategy(SingleDeviceStrategy):
                     set_tensor_name(buffer, "grad@" + get_tensor_name(param).replace("@", "/"))
                     self.context.register_buffer(buffer)
                     self._grad_buffers[param] = buffer
-            self._host_versions = HostVersions(list(self.context.registered_tensors().values()))
+            self._watch_host_tensors()
         return self._grad_buffers
+
+    def _watch_host_tensors(self) -> None:
+        """Host and device agree now on every registered tensor: watch them for host edits."""
+        self._host_versions = HostVersions(list(self.context.registered_tensors().values()))
 
     def _carried_signature(self) -> tuple:
         """The module's carried tensors (carried_state.signature), scanned again only when they
