@@ -10,7 +10,9 @@ are real static graphs, run by an interpreter or TorchInductor depending on the 
 from . import storage
 from ._source import add_library_dirs
 from .artifacts import CacheOptions
-from .compiled import CompiledFunction, InputProxy
+from .automap import AutomapFunction, register_pytree_dataclass, register_pytree_namedtuple
+from .compile_keywords import CompileKeywords
+from .compiled import CompiledFunction, InputProxy, TensorProxy
 from .context import Context, Role
 from .device import BACKENDS, Backend, MNDevice, mlsdk_available, resolve_backend
 from .emulator import EmulatorContext, RegisteredValueProxy
@@ -31,9 +33,23 @@ from .naming import (
     set_tensor_name_in_module,
 )
 from .presets import DEFAULT_PRESET, PRESET_NAMES, load_preset, preset_path
-from .specs import TensorSpec
+from .registry import Registry, set_optimizer_converter
+from .scheduler import MNCoreLRScheduler
+from .specs import IOSpec, TensorSpec
+from .trace_events import trace_event, trace_scope
 
 __all__ = [
+    "AutomapFunction",
+    "CompileKeywords",
+    "IOSpec",
+    "MNCoreLRScheduler",
+    "Registry",
+    "TensorProxy",
+    "register_pytree_dataclass",
+    "register_pytree_namedtuple",
+    "set_optimizer_converter",
+    "trace_event",
+    "trace_scope",
     "CodegenDirError",
     "BACKENDS",
     "DEFAULT_PRESET",

@@ -42,9 +42,18 @@ _OWN_FILES = (GRAPH_FILE, LISTING_FILE, SPECS_FILE, CAPTURED_FILE, "graph.pt")
 
 @dataclass(frozen=True)
 class CacheOptions:
-    """Where compiled steps are cached: compiling the same step at the same shapes hits it."""
+    """Where compiled steps are cached: compiling the same step at the same shapes hits it.
+
+    The flags are MLSDK's, one per compiler stage. The emulator's one compiled artifact is
+    Inductor's code, cached when `enable_codegen_cache` is true; the other stages (the app,
+    ONNX export, gpfn2 objects) do not exist here, so their flags change nothing.
+    """
 
     cache_dir: str | os.PathLike[str]
+    enable_app_cache: bool = True
+    enable_onnx_cache: bool = True
+    enable_codegen_cache: bool = True
+    enable_gpfn2obj_cache: bool = True
 
     @property
     def path(self) -> Path:

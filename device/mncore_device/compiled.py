@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from abc import ABC
 from collections.abc import Mapping, Sequence
 
 import torch
 
+from . import trace_events
 from .executors import Executor
 from .specs import TensorSpec, check_input, check_input_keys
 from .tracing import StateKind
@@ -45,6 +47,10 @@ class InputProxy:
     def load_from(self, tensor: torch.Tensor, clone: bool = True) -> None:
         """Copy `tensor` into the buffer; with clone=False a same-device tensor is used as is."""
         check_input(self.name, self.spec, tensor)
+        with trace_events.span("load_from", "transfer", name=self.name):
+            self._load(tensor, clone)
+
+    def _load(self, tensor: torch.Tensor, clone: bool) -> None:
         if not clone and tensor.device == self.tensor.device:
             self.tensor = tensor  # borrowed: never written into
             self._owned = False
@@ -76,7 +82,9 @@ class CompiledFunction:
         compile_seconds: float = 0.0,
         cache_hit: bool = False,
         copied_outputs: Sequence[int] = (),
+        name: str = "function",
     ) -> None:
+        self.name = name
         self._executor = executor
         self._state = list(state)
         self._mutated = list(mutated)
@@ -107,6 +115,12 @@ class CompiledFunction:
         return {k: InputProxy(k, spec, self.device) for k, spec in self._input_items}
 
     def __call__(self, inputs: Mapping[str, torch.Tensor | InputProxy]) -> dict[str, torch.Tensor]:
+        if trace_events.recording():
+            with trace_events.span(self.name, "call"):
+                return self._call(inputs)
+        return self._call(inputs)
+
+    def _call(self, inputs: Mapping[str, torch.Tensor | InputProxy]) -> dict[str, torch.Tensor]:
         args = self._arguments(inputs)
         outputs = self._executor(args)
         n = len(self._output_keys)
@@ -135,3 +149,14 @@ class CompiledFunction:
                 value = value.to(device, non_blocking=True)
             args.append(value if value.is_contiguous() else value.contiguous())
         return args
+
+
+class TensorProxy(ABC):  # noqa: B024 (an abstract type with no methods of its own)
+    """MLSDK's type of a device value: what a compiled call returns, an input buffer, a
+    registered tensor's device value. Each has `.cpu()` (a host copy). On the emulator a
+    compiled call returns torch tensors in device memory, so `isinstance(out, TensorProxy)`
+    holds for them too, and code written for MLSDK's proxies runs unchanged."""
+
+
+TensorProxy.register(torch.Tensor)
+TensorProxy.register(InputProxy)

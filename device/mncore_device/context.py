@@ -12,16 +12,20 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from enum import StrEnum
 from typing import Any, ClassVar
 
 import torch
 
+from . import trace_events
 from .artifacts import CacheOptions
+from .automap import AutomapFunction, compile_automap
+from .compile_keywords import CompileKeywords
 from .device import Backend, MNDevice, resolve_backend
 from .errors import RegistrationError
 from .naming import get_tensor_name, name_optimizer_state
+from .registry import Registry
 
 StepFunction = Callable[[Mapping[str, torch.Tensor]], Mapping[str, torch.Tensor]]
 
@@ -227,7 +231,6 @@ class Context(ABC):
 
     # --- compilation ------------------------------------------------------------------------
 
-    @abstractmethod
     def compile(
         self,
         function: StepFunction,
@@ -235,11 +238,71 @@ class Context(ABC):
         codegen_dir: str | os.PathLike[str] | None = None,
         options: Mapping[str, object] | None = None,
         cache_options: CacheOptions | None = None,
+        *,
+        optimizers: Sequence[torch.optim.Optimizer] | None = None,
+        num_compiler_threads: int | None = None,
+        quiet: bool | None = None,
+        export_kwargs: Mapping[str, Any] | None = None,
+        training: bool | None = None,
+        io_spec_constraints: Mapping[str, Any] | None = None,
     ) -> Any:
         """Trace `function` once with the sample `inputs` into one static graph and compile it.
 
-        options: {"option_json": preset name or file (debug, O0 ... O4; default O1)}.
+        options: {"option_json": preset name or file (debug, O0 ... O4; default O1),
+        "float_dtype": "float" or "mixed" (matmuls and convolutions in bfloat16, as autocast),
+        "backprop": True (with `optimizers`: the compiler adds backward and the update)}.
+        The keywords are MLSDK's (see `CompileKeywords`); a backend warns once about any it
+        cannot honour.
         """
+        keywords = CompileKeywords(
+            optimizers=list(optimizers) if optimizers is not None else None,
+            num_compiler_threads=num_compiler_threads,
+            quiet=quiet,
+            export_kwargs=dict(export_kwargs) if export_kwargs is not None else None,
+            training=training,
+            io_spec_constraints=dict(io_spec_constraints) if io_spec_constraints else None,
+        )
+        name = getattr(function, "__name__", "function")
+        with trace_events.span("compile", "compile", function=name, codegen_dir=str(codegen_dir)):
+            return self._compile(function, inputs, codegen_dir, options, cache_options, keywords)
+
+    @abstractmethod
+    def _compile(
+        self,
+        function: StepFunction,
+        inputs: Mapping[str, torch.Tensor],
+        codegen_dir: str | os.PathLike[str] | None,
+        options: Mapping[str, object] | None,
+        cache_options: CacheOptions | None,
+        keywords: CompileKeywords,
+    ) -> Any:
+        """The backend's compile (the arguments as `compile` received them)."""
+
+    def compile_automap(
+        self,
+        function: Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        codegen_dir: str | os.PathLike[str] | None = None,
+        **compile_kwargs: Any,
+    ) -> AutomapFunction:
+        """Compile a function of any pytree of tensors (tuples, lists, dicts, registered
+        dataclasses and namedtuples), called as `compiled(*args, **kwargs)`; it returns the
+        function's own pytree of results."""
+        return compile_automap(self, function, args, kwargs or {}, codegen_dir, **compile_kwargs)
+
+    @property
+    def registry(self) -> Registry:
+        """`context.registry.register(name, module or optimizer)`: name and register in one call."""
+        return Registry(self)
+
+    def push_learning_rates(self) -> None:
+        """Copy learning rates changed on the host to the device now (MNCoreLRScheduler.step).
+
+        The emulator reads an optimizer's rate tensors before every call, so this only
+        refreshes them early; a backend with its own rate store overrides it.
+        """
+        return None
 
     @abstractmethod
     def load_codegen_dir(self, path: str | os.PathLike[str]) -> Any:

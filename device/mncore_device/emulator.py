@@ -16,14 +16,17 @@ from pathlib import Path
 import torch
 from typing_extensions import override
 
-from . import artifacts
+from . import artifacts, trace_events
 from .artifacts import CacheOptions
-from .compiled import CompiledFunction, DeviceSlot
+from .backprop import backprop_step
+from .compile_keywords import CompileKeywords, warn_unhonoured
+from .compiled import CompiledFunction, DeviceSlot, TensorProxy
 from .context import Context, Role, StepFunction
 from .device import Backend
-from .errors import RegistrationError
+from .errors import InputSpecError, RegistrationError
 from .executors import build_executor
 from .presets import Preset, load_preset
+from .specs import TensorSpec
 from .tracing import StateKind, TracedStep, trace_step
 
 
@@ -44,6 +47,10 @@ class RegisteredValueProxy:
     def load_from(self, tensor: torch.Tensor, clone: bool = True) -> None:
         """Push a host value to the device (e.g. after loading a checkpoint on the host)."""
         del clone  # device memory is always a copy of the host value
+        with trace_events.span("load_from", "transfer", name=self.name):
+            self._load(tensor)
+
+    def _load(self, tensor: torch.Tensor) -> None:
         current = self._slot.value
         if tuple(tensor.shape) != tuple(current.shape):
             raise ValueError(
@@ -54,7 +61,11 @@ class RegisteredValueProxy:
 
     def cpu(self) -> torch.Tensor:
         """A host copy of the device value (a snapshot: later calls do not change it)."""
-        return self._slot.value.detach().to("cpu", copy=True)
+        with trace_events.span("cpu", "transfer", name=self.name):
+            return self._slot.value.detach().to("cpu", copy=True)
+
+
+TensorProxy.register(RegisteredValueProxy)
 
 
 class EmulatorContext(Context, backend=Backend.EMULATOR):
@@ -95,37 +106,74 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
             slots = self._slots.values()
         else:
             slots = [self._slots[self._names[id(t)]] for t in self._require_registered(tensors)]
-        with torch.no_grad():
+        with trace_events.span("synchronize", "transfer"), torch.no_grad():
             for slot in slots:
                 slot.host.copy_(slot.value)
 
     # --- compilation ------------------------------------------------------------------------
 
     @override
-    def compile(
+    def _compile(
         self,
         function: StepFunction,
         inputs: Mapping[str, torch.Tensor],
-        codegen_dir: str | os.PathLike[str] | None = None,
-        options: Mapping[str, object] | None = None,
-        cache_options: CacheOptions | None = None,
+        codegen_dir: str | os.PathLike[str] | None,
+        options: Mapping[str, object] | None,
+        cache_options: CacheOptions | None,
+        keywords: CompileKeywords,
     ) -> CompiledFunction:
         start = time.perf_counter()
-        preset = load_preset((options or {}).get("option_json"))
-        traced = trace_step(function, inputs, dict(self._registered), self._optimizers)
+        options = dict(options or {})
+        preset = load_preset(options.pop("option_json", None))
+        autocast_dtype = _float_dtype(options.pop("float_dtype", "float"))
+        backprop = options.pop("backprop", False)
+        for key in options:
+            warn_unhonoured(
+                f"compile option {key!r}",
+                "it configures MLSDK's own compiler, which the emulator does not have",
+            )
+        if keywords.export_kwargs:
+            warn_unhonoured(
+                "compile(export_kwargs=...)",
+                "the emulator traces the step itself and has no ONNX exporter to configure",
+            )
+        if keywords.optimizers or backprop:
+            if not (keywords.optimizers and backprop):
+                raise ValueError(
+                    "compile: optimizers=[...] and options={'backprop': True} go together (the "
+                    "compiler adds the backward and the optimizers' update); a function that "
+                    "calls loss.backward() and optimizer.step() itself needs neither"
+                )
+            function, inputs = backprop_step(function, inputs, keywords.optimizers)
+        traced = trace_step(
+            function, inputs, dict(self._registered), self._optimizers, autocast_dtype
+        )
         traced = artifacts.canonical(traced)
+        _check_constraints(traced, keywords.io_spec_constraints or {})
         slots = self._bind(traced)
         specs = artifacts.describe(traced)
         if codegen_dir is not None:
             artifacts.save(Path(os.fspath(codegen_dir)), traced, specs, preset)
-        return self._finish(traced, slots, specs, preset, cache_options, start)
+        return self._finish(
+            traced,
+            slots,
+            specs,
+            preset,
+            cache_options,
+            start,
+            name=_function_name(function, codegen_dir),
+            compile_threads=keywords.num_compiler_threads,
+        )
 
     @override
     def load_codegen_dir(self, path: str | os.PathLike[str]) -> CompiledFunction:
         start = time.perf_counter()
-        traced, specs = artifacts.load(Path(os.fspath(path)))
-        slots = self._bind(traced)
-        return self._finish(traced, slots, specs, Preset(**specs["preset"]), None, start)
+        with trace_events.span("load_codegen_dir", "compile", codegen_dir=str(path)):
+            traced, specs = artifacts.load(Path(os.fspath(path)))
+            slots = self._bind(traced)
+            preset = Preset(**specs["preset"])
+            name = _function_name(None, path)
+            return self._finish(traced, slots, specs, preset, None, start, name=name)
 
     def _bind(self, traced: TracedStep) -> list[DeviceSlot]:
         """Device slots for the graph's state inputs: shared for registered tensors."""
@@ -156,13 +204,25 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
             slots.append(slot)
         return slots
 
-    def _finish(self, traced, slots, specs, preset, cache_options, start) -> CompiledFunction:
+    def _finish(
+        self,
+        traced,
+        slots,
+        specs,
+        preset,
+        cache_options,
+        start,
+        name: str,
+        compile_threads: int | None = None,
+    ) -> CompiledFunction:
         device = self.device.torch_device
         example_args = [slot.value for slot in slots] + [
             torch.zeros(spec.shape, dtype=spec.dtype, device=device)
             for spec in traced.input_specs.values()
         ]
         hit = False
+        if cache_options is not None and not cache_options.enable_codegen_cache:
+            cache_options = None
         if cache_options is not None:
             key = artifacts.cache_key(traced, specs, preset, device)
             hit = artifacts.cache_contains(cache_options, key)
@@ -172,6 +232,7 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
             device,
             example_args,
             cache_options.path if cache_options is not None else None,
+            compile_threads,
         )
         if cache_options is not None:
             artifacts.cache_record(cache_options, key)
@@ -186,4 +247,40 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
             compile_seconds=time.perf_counter() - start,
             cache_hit=hit,
             copied_outputs=traced.outputs_aliasing_state,
+            name=name,
         )
+
+
+def _float_dtype(value: object) -> torch.dtype | None:
+    """options["float_dtype"]: "float" computes as the host tensors are; "mixed" runs the
+    step under bfloat16 autocast (matmuls and convolutions in bfloat16, reductions and
+    normalizations in float32, as MLSDK's mixed precision keeps them)."""
+    if value in (None, "float"):
+        return None
+    if value == "mixed":
+        return torch.bfloat16
+    raise ValueError(f"compile option float_dtype={value!r}: use 'float' or 'mixed'")
+
+
+def _check_constraints(traced: TracedStep, constraints: Mapping[str, object]) -> None:
+    """io_spec_constraints: each named input or output must have the constraint's spec."""
+    for name, constraint in constraints.items():
+        spec = traced.output_specs.get(name) or traced.input_specs.get(name)
+        if spec is None:
+            raise InputSpecError(
+                f"io_spec_constraints names {name!r}, which is neither an input nor an output "
+                f"of the step (inputs {sorted(traced.input_specs)}, outputs "
+                f"{sorted(traced.output_specs)})"
+            )
+        if not isinstance(constraint, TensorSpec) or not spec.is_memcopyable_to(constraint):
+            raise InputSpecError(
+                f"io_spec_constraints[{name!r}]: the step's {name!r} is {spec}, but the "
+                f"constraint asks for {constraint}"
+            )
+
+
+def _function_name(function: object, codegen_dir: object) -> str:
+    """What trace events call a compiled function: its codegen dir's name, else its own."""
+    if codegen_dir is not None:
+        return Path(os.fspath(codegen_dir)).name
+    return getattr(function, "__name__", "function")

@@ -28,14 +28,17 @@ def build_executor(
     device: torch.device,
     example_args: Sequence[torch.Tensor],
     cache_dir: Path | None = None,
+    compile_threads: int | None = None,
 ) -> Executor:
-    """Make `gm` runnable on `device` under `preset` (compiling now, not on the first call)."""
+    """Make `gm` runnable on `device` under `preset` (compiling now, not on the first call).
+
+    compile_threads: worker threads for Inductor's compile (MLSDK's num_compiler_threads)."""
     _retarget_devices(gm, device)
     if preset.executor == "interpreter":
         if preset.check_finite:
             return lambda args: _FiniteCheckingInterpreter(gm).run(*args)
         return lambda args: gm(*args)
-    return _compile_with_inductor(gm, preset, example_args, cache_dir)
+    return _compile_with_inductor(gm, preset, example_args, cache_dir, compile_threads)
 
 
 def _retarget_devices(gm: fx.GraphModule, device: torch.device) -> None:
@@ -49,13 +52,19 @@ def _retarget_devices(gm: fx.GraphModule, device: torch.device) -> None:
 
 
 def _compile_with_inductor(
-    gm: fx.GraphModule, preset: Preset, example_args: Sequence[torch.Tensor], cache_dir
+    gm: fx.GraphModule,
+    preset: Preset,
+    example_args: Sequence[torch.Tensor],
+    cache_dir,
+    compile_threads: int | None = None,
 ) -> Executor:
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
 
     options = dict(list_mode_options(preset.inductor_mode))
     options.update(preset.inductor_options)
+    if compile_threads is not None:
+        options["compile_threads"] = int(compile_threads)
     if example_args and example_args[0].device.type != "cuda":
         options.pop("triton.cudagraphs", None)
     _scale_before_adding(gm)

@@ -40,6 +40,7 @@ import torch
 from typing_extensions import override
 
 from .artifacts import CacheOptions
+from .compile_keywords import CompileKeywords, warn_unhonoured
 from .context import Context, Role, StepFunction
 from .device import Backend, MNDevice, mlsdk_missing_message
 from .errors import MLSDKNotInstalledError, MNCoreError, RegistrationError
@@ -221,23 +222,25 @@ class MLSDKContext(Context, backend=Backend.MLSDK):
     # --- compilation ------------------------------------------------------------------------
 
     @override
-    def compile(
+    def _compile(
         self,
         function: StepFunction,
         inputs: Mapping[str, torch.Tensor],
-        codegen_dir: str | os.PathLike[str] | None = None,
-        options: Mapping[str, object] | None = None,
-        cache_options: CacheOptions | Any = None,
+        codegen_dir: str | os.PathLike[str] | None,
+        options: Mapping[str, object] | None,
+        cache_options: CacheOptions | Any,
+        keywords: CompileKeywords,
     ) -> MLSDKCompiledFunction:
         """`mlsdk.Context.compile`, with this package's argument forms.
 
         codegen_dir: default, a new temporary directory (MLSDK always writes one).
         options: {"option_json": preset name or MLSDK preset file, other MLSDK options as is}.
         cache_options: mncore_device.CacheOptions or MLSDK's own.
+        keywords: passed to MLSDK as given, where its compile takes them (else a warning).
         """
         start = time.perf_counter()
         path = self._storage_path(codegen_dir)
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = self._sdk_keywords(keywords)
         sdk_options = self._sdk_options(options)
         if sdk_options:
             kwargs["options"] = sdk_options
@@ -259,6 +262,23 @@ class MLSDKContext(Context, backend=Backend.MLSDK):
         specs = _tensor_specs(getattr(compiled, "input_specs", None))
         return MLSDKCompiledFunction(self, compiled, specs, time.perf_counter() - start)
 
+    def _sdk_keywords(self, keywords: CompileKeywords) -> dict[str, Any]:
+        """The compile keywords this MLSDK's compile accepts; a warning for the others."""
+        try:
+            parameters = inspect.signature(self.sdk.Context.compile).parameters
+        except (TypeError, ValueError):  # no signature: pass them all
+            return keywords.given()
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+        result = {}
+        for key, value in keywords.given().items():
+            if takes_any or key in parameters:
+                result[key] = value
+            else:
+                warn_unhonoured(
+                    f"compile({key}=...)", "this MLSDK's Context.compile has no such keyword"
+                )
+        return result
+
     def _storage_path(self, path: Any) -> Any:
         if path is None:
             path = tempfile.mkdtemp(prefix="mncore-codegen-")
@@ -275,8 +295,18 @@ class MLSDKContext(Context, backend=Backend.MLSDK):
 
     def _sdk_cache_options(self, cache_options: Any) -> Any:
         if isinstance(cache_options, CacheOptions):
-            return self.sdk.CacheOptions(str(cache_options.path))
+            return self.sdk.CacheOptions(
+                str(cache_options.path),
+                enable_app_cache=cache_options.enable_app_cache,
+                enable_onnx_cache=cache_options.enable_onnx_cache,
+                enable_codegen_cache=cache_options.enable_codegen_cache,
+                enable_gpfn2obj_cache=cache_options.enable_gpfn2obj_cache,
+            )
         return cache_options
+
+    @override
+    def push_learning_rates(self) -> None:
+        self._push_learning_rates()
 
     def _push_learning_rates(self) -> None:
         """Before a compiled call: learning rates changed on the host go to the device."""

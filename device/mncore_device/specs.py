@@ -37,6 +37,18 @@ class TensorSpec:
     def __str__(self) -> str:
         return f"{list(self.shape)} {str(self.dtype).removeprefix('torch.')}"
 
+    def is_memcopyable_to(self, other: TensorSpec) -> bool:
+        """Whether a tensor of this spec can be used as one of `other` without conversion
+        (MLSDK's IOSpec; the emulator has one layout, so: same shape and dtype)."""
+        return (
+            isinstance(other, TensorSpec)
+            and self.shape == other.shape
+            and self.dtype == other.dtype
+        )
+
+
+IOSpec = TensorSpec  # MLSDK's name for the specs in input_specs / output_specs
+
 
 def check_input_keys(inputs: object, specs: Mapping[str, TensorSpec]) -> None:
     """A compiled function's call takes a dict with exactly the sample's keys."""

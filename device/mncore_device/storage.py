@@ -10,6 +10,8 @@ import os
 from pathlib import Path
 
 
-def path(location: str | os.PathLike[str]) -> Path:
-    """Return a path-like object for `location` (a local directory on the emulator)."""
-    return Path(os.fspath(location)).expanduser()
+def path(target: str | os.PathLike[str]) -> Path:
+    """Return a path-like object for `target` (a local directory on the emulator).
+
+    MLSDK's scripts call it as `storage.path(dir)` or `storage.path(target=dir)`."""
+    return Path(os.fspath(target)).expanduser()

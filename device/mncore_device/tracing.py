@@ -125,8 +125,13 @@ def trace_step(
     sample: Mapping[str, torch.Tensor],
     registered: Mapping[str, torch.Tensor],
     optimizers: list[torch.optim.Optimizer] = (),
+    autocast_dtype: torch.dtype | None = None,
 ) -> TracedStep:
-    """Trace `function(sample)` into a functional graph over `registered` state."""
+    """Trace `function(sample)` into a functional graph over `registered` state.
+
+    autocast_dtype: run the function under torch.autocast with this dtype (float_dtype
+    "mixed"): the casts autocast inserts are recorded, so the graph computes as eager
+    autocast does."""
     input_keys = list(sample)
     for key in input_keys:
         if not isinstance(sample[key], torch.Tensor):
@@ -141,7 +146,7 @@ def trace_step(
 
     def flat_step(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         batch = dict(zip(input_keys, args[len(reg_tensors) :], strict=True))
-        with _compiling(), _TracingSafeFunctions(), guard:
+        with _compiling(), _TracingSafeFunctions(), guard, _autocast(args, autocast_dtype):
             result = function(batch)
         output_specs.update((k, TensorSpec.of(v)) for k, v in _check_outputs(result).items())
         return tuple(result[k] for k in output_specs)
@@ -368,6 +373,14 @@ def _compiling():
         yield
     finally:
         torch.compiler._is_compiling_flag = previous
+
+
+def _autocast(args: tuple[torch.Tensor, ...], dtype: torch.dtype | None):
+    """torch.autocast on the device the traced tensors live on, or nothing."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    device_type = args[0].device.type if args else "cpu"
+    return torch.autocast(device_type, dtype=dtype)
 
 
 def _is_traced(tensor: torch.Tensor, tracer) -> bool:

@@ -10,11 +10,16 @@ which the device notices), create their state at construction, never read a tens
 to the host, and keep torch.optim's state_dict layout.
 """
 
+from mncore_device import set_optimizer_converter
+
 from ._base import LiveHyperparameter, MNCoreOptimizer, ParamGroup, live_hyperparameters
 from ._convert import TORCH_EQUIVALENTS, device_optimizer, from_torch, to_mlsdk_optimizer
 from .adam import MNCoreAdam, MNCoreAdamW
 from .sgd import MNCoreSGD
 from .traced import TRACED_TORCH_OPTIMIZERS, MNCoreTracedOptimizer, TracedParamGroup
+
+# context.registry.register(name, torch_optimizer) runs its MN-Core equivalent on the device.
+set_optimizer_converter(from_torch)
 
 __all__ = [
     "TORCH_EQUIVALENTS",

@@ -191,6 +191,25 @@ class MNCoreOptimizer(Optimizer):
             if param.requires_grad:  # frozen params never step: no state until they get grads
                 self._init_state(param, group)
 
+    def _rate_dependent(self, group: ParamGroup, lr: Tensor) -> dict[str, Tensor]:
+        """The coefficient tensors computed from `lr`, for a learning rate given as a tensor."""
+        return {"lr": lr}
+
+    @contextlib.contextmanager
+    def learning_rates_from(self, rates: list[Tensor]) -> Iterator[None]:
+        """While in the block, the step reads its learning rates from `rates` (one 0-d tensor
+        per param group): MLSDK's legacy training compile feeds them as step inputs."""
+        saved = [dict(group.tensors) for group in self.param_groups]
+        try:
+            for group, rate in zip(self.param_groups, rates, strict=True):
+                lr = rate.to(group.tensors["lr"].dtype)
+                group.tensors.update(self._rate_dependent(group, lr))
+            yield
+        finally:
+            for group, tensors in zip(self.param_groups, saved, strict=True):
+                group.tensors.clear()
+                group.tensors.update(tensors)
+
     def ensure_state(self) -> None:
         """Create the state of every trainable param that has none yet (a param unfrozen
         after construction, by fine-tuning say), so that a device can register it before

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -17,6 +18,8 @@ from ._base import (
     check_hyperparameter,
     resolve_alias,
 )
+
+DEFAULT_EPS = 1e-8
 
 
 def adam_coefficients(group: Mapping[str, Any]) -> dict[str, float]:
@@ -37,7 +40,12 @@ def adam_coefficients(group: Mapping[str, Any]) -> dict[str, float]:
 class MNCoreAdam(MNCoreOptimizer):
     """Adam, as torch.optim.Adam: same arguments in the same order, same results.
 
-    MLSDK's `learning_rate=`, `beta1=` and `beta2=` are accepted for `lr` and `betas`.
+    MLSDK's `learning_rate=`, `beta1=` and `beta2=` are accepted for `lr` and `betas`, and
+    so are the Chainer-style names MLSDK's examples pass: `alpha=` (beta1), `beta=` (beta2),
+    `epsilon=` (eps) and `norm_coefficient=` (weight_decay). `chainer_use_torch` chooses
+    MLSDK's implementation: True is torch's update, which is the one this class computes;
+    False (Chainer's, where eps is added before the bias correction) warns that torch's
+    update runs instead.
     The state (`step`, a 0-d float32 tensor as torch stores it, `exp_avg`, `exp_avg_sq`,
     and `max_exp_avg_sq` with AMSGrad) exists from construction, filled as torch.optim
     would fill it lazily, so a device can register it before the first step.
@@ -46,12 +54,15 @@ class MNCoreAdam(MNCoreOptimizer):
 
     _coefficients = staticmethod(adam_coefficients)
 
+    def _rate_dependent(self, group: Any, lr: Tensor) -> dict[str, Tensor]:
+        return {"lr": lr, "decay": 1.0 - lr * group.tensors["weight_decay"]}
+
     def __init__(
         self,
         params: ParamsT,
         lr: float = DEFAULT_LR,
         betas: tuple[float, float] = DEFAULT_BETAS,
-        eps: float = 1e-8,
+        eps: float = DEFAULT_EPS,
         weight_decay: float = 0,
         amsgrad: bool = False,
         *,
@@ -60,8 +71,26 @@ class MNCoreAdam(MNCoreOptimizer):
         learning_rate: float | None = None,
         beta1: float | None = None,
         beta2: float | None = None,
+        alpha: float | None = None,
+        beta: float | None = None,
+        epsilon: float | None = None,
+        norm_coefficient: float | None = None,
+        chainer_use_torch: bool = True,
     ) -> None:
         lr = resolve_alias("lr", lr, DEFAULT_LR, "learning_rate", learning_rate)
+        beta1 = resolve_alias("beta1", beta1, None, "alpha", alpha)
+        beta2 = resolve_alias("beta2", beta2, None, "beta", beta)
+        eps = resolve_alias("eps", eps, DEFAULT_EPS, "epsilon", epsilon)
+        weight_decay = resolve_alias(
+            "weight_decay", weight_decay, 0, "norm_coefficient", norm_coefficient
+        )
+        if not chainer_use_torch:
+            warnings.warn(
+                "MNCoreAdam(chainer_use_torch=False): MLSDK's Chainer-style Adam is not "
+                "emulated; torch.optim.Adam's update (eps after the bias correction) runs",
+                UserWarning,
+                stacklevel=2,
+            )
         if beta1 is not None or beta2 is not None:
             if betas is not DEFAULT_BETAS:
                 raise TypeError("got both 'betas' and its aliases 'beta1'/'beta2': give only one")
