@@ -17,6 +17,7 @@ import torch.fx as fx
 
 from ._source import user_frame_from_stack_trace
 from .errors import NonFiniteError
+from .inductor_keys import apply_remembered_source_keys
 from .presets import Preset
 
 Executor = Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]]
@@ -69,6 +70,7 @@ def _compile_with_inductor(
         options.pop("triton.cudagraphs", None)
     _scale_before_adding(gm)
     with _inductor_cache_dir(cache_dir), _static_shape_env(example_args) as fake_args:
+        apply_remembered_source_keys()
         compiled = compile_fx(gm, fake_args, config_patches=options)
     return lambda args: compiled(*args)
 

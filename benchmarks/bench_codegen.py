@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -78,17 +79,25 @@ def main() -> None:
     if args.child:
         print(json.dumps(run_one(args.child[0], args.model, args.preset, args.child[1])))
         return
+    results = []
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "inductor")}
         codegen = str(Path(tmp) / "codegen")
-        for mode in ("compile", "load", "load"):
+        for mode in ("compile", "load", "load", "load"):
             command = [sys.executable, __file__, "--model", args.model, "--preset", args.preset]
             out = subprocess.run(
                 [*command, "--child", mode, codegen], env=env, capture_output=True, text=True
             )
             if out.returncode:
                 sys.exit(out.stderr)
-            print(out.stdout.strip().splitlines()[-1])
+            results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(json.dumps(results[-1]))
+    compile_s = results[0]["seconds"]
+    load_s = statistics.median(r["seconds"] for r in results[1:])
+    same = all(r["loss"] == results[0]["loss"] for r in results[1:])
+    summary = {"model": args.model, "preset": args.preset, "compile_s": compile_s}
+    summary.update(load_median_s=load_s, ratio=round(compile_s / load_s, 1), same_loss=same)
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":
