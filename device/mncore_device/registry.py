@@ -3,9 +3,10 @@
 A module's parameters and buffers are named `<name>@<path>` and registered; an optimizer's
 state is named `<name>@...` and registered. An optimizer whose state torch.optim creates
 lazily (torch.optim.SGD with momentum, Adam) cannot be registered as it is; a converter
-installed with `set_optimizer_converter` (the MN-Core optimizers package installs one that
-builds the traceable MN-Core equivalent) replaces it, and `compile(optimizers=[...])` then
-runs the replacement in place of the original.
+installed with `set_optimizer_converter` makes it one the context can run (the MN-Core
+optimizers package installs its `device_optimizer`: on the emulator the same object,
+converted in place; on MLSDK, MLSDK's own optimizer), and `compile(optimizers=[...])` then
+runs that optimizer in place of the original.
 """
 
 from __future__ import annotations
@@ -21,14 +22,15 @@ from .naming import set_buffer_name_in_optimizer, set_tensor_name_in_module
 if TYPE_CHECKING:
     from .context import Context
 
-OptimizerConverter = Callable[[torch.optim.Optimizer], torch.optim.Optimizer]
+OptimizerConverter = Callable[["Context", torch.optim.Optimizer], torch.optim.Optimizer]
 _converter: list[OptimizerConverter | None] = [None]
 # original optimizer -> the optimizer the device runs in its place
 _replacements: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def set_optimizer_converter(converter: OptimizerConverter | None) -> None:
-    """Install the function that makes a registered optimizer traceable (None: none)."""
+    """Install `converter(context, optimizer)`, which returns the optimizer `context` runs
+    for a registered `optimizer` (None: register optimizers as they are)."""
     _converter[0] = converter
 
 
@@ -53,7 +55,7 @@ class Registry:
                 self._context.register_buffer(buffer)
         elif isinstance(obj, torch.optim.Optimizer):
             converter = _converter[0]
-            device_optimizer = converter(obj) if converter is not None else obj
+            device_optimizer = converter(self._context, obj) if converter is not None else obj
             if device_optimizer is not obj:
                 _replacements[obj] = device_optimizer
             set_buffer_name_in_optimizer(device_optimizer, name)

@@ -19,7 +19,7 @@ from .sgd import MNCoreSGD
 from .traced import TRACED_TORCH_OPTIMIZERS, MNCoreTracedOptimizer, TracedParamGroup
 
 # context.registry.register(name, torch_optimizer) runs its MN-Core equivalent on the device.
-set_optimizer_converter(from_torch)
+set_optimizer_converter(device_optimizer)
 
 __all__ = [
     "TORCH_EQUIVALENTS",

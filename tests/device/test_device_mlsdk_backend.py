@@ -453,3 +453,58 @@ def test_the_fake_is_strict(mlsdk, tmp_path):
         sdk_context.register_param(torch.zeros(1))
     with pytest.raises(ValueError, match="unknown device"):
         mlsdk.MNDevice("mncore3:auto")
+
+
+def test_compile_keywords_reach_mlsdk_or_warn_once(mlsdk, monkeypatch, tmp_path):
+    """A keyword this MLSDK's compile lacks is not dropped silently: it warns, once."""
+    from mncore_device import compile_keywords
+
+    monkeypatch.setattr(compile_keywords, "_warned", set())
+    context = new_context()
+    with pytest.warns(UserWarning, match=r"compile\(quiet=...\) is not honoured") as record:
+        for name in ("a", "b"):
+            sample = {"x": torch.randn(3, 4), "y": torch.randn(3, 4)}
+            compiled = context.compile(add, sample, storage.path(tmp_path / name), quiet=True)
+    assert sum("quiet" in str(w.message) for w in record) == 1
+    out = context.to_host(compiled(sample))["out"]
+    torch.testing.assert_close(out, sample["x"] + sample["y"])
+
+
+def test_cache_options_flags_reach_mlsdk(mlsdk, monkeypatch, tmp_path):
+    given = []
+
+    class Recording(mlsdk.CacheOptions):
+        def __init__(self, cache_dir, **flags):
+            given.append(flags)
+            super().__init__(cache_dir, **flags)
+
+    monkeypatch.setattr(mlsdk, "CacheOptions", Recording)
+    context = new_context()
+    sample = {"x": torch.randn(3, 4), "y": torch.randn(3, 4)}
+    options = CacheOptions(str(tmp_path / "cache"), enable_onnx_cache=False)
+    context.compile(add, sample, storage.path(tmp_path / "add"), options=O0, cache_options=options)
+    assert given == [
+        {
+            "enable_app_cache": True,
+            "enable_onnx_cache": False,
+            "enable_codegen_cache": True,
+            "enable_gpfn2obj_cache": True,
+        }
+    ]
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)`")
+def test_mncore_lr_scheduler_pushes_rates_through_mlsdk(mlsdk):
+    from mncore_device import MNCoreLRScheduler
+
+    context = new_context()
+    model, optimizer, compiled = _lr_step(context, mlsdk, lr=0.1)
+    scheduler = MNCoreLRScheduler(
+        torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=5.0), context
+    )
+    compiled({"x": torch.ones(1, 1)})  # w = 1 - 0.1
+    scheduler.step()  # lr 0.5, pushed to the device now
+    assert names(mlsdk, "MNCoreLRScheduler.step")
+    compiled({"x": torch.ones(1, 1)})  # w = 0.9 - 0.5
+    context.synchronize()
+    assert model.weight.item() == pytest.approx(0.4)
