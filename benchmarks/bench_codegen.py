@@ -4,7 +4,7 @@ Compiles a training step (the tutorial MLP 1024-256-10, batch 64, or a torchvisi
 batch 8 of 3x32x32; SGD with momentum) into a codegen dir with an empty Inductor cache, then
 loads that dir twice in new processes sharing the cache, and prints the seconds of each.
 
-    python benchmarks/bench_codegen_load.py [--model mlp|resnet18] [--preset O1]
+    python benchmarks/bench_codegen.py [--model mlp|resnet18] [--preset O1]
 """
 
 from __future__ import annotations
