@@ -2,7 +2,9 @@
 
 Compiles a training step (the tutorial MLP 1024-256-10, batch 64, or a torchvision ResNet-18,
 batch 8 of 3x32x32; SGD with momentum) into a codegen dir with an empty Inductor cache, then
-loads that dir twice in new processes sharing the cache, and prints the seconds of each.
+loads that dir three times in new processes sharing the cache, and prints the seconds of
+each (the call itself, Inductor's imports included) and the ratio of the compile to the
+median load. Every load's first step must give the compile's loss (`same_loss`).
 
     python benchmarks/bench_codegen.py [--model mlp|resnet18] [--preset O1]
 """
