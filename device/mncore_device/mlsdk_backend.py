@@ -41,11 +41,13 @@ from typing_extensions import override
 
 from .artifacts import CacheOptions
 from .compile_keywords import CompileKeywords, warn_unhonoured
+from .compiled import TensorProxy
 from .context import Context, Role, StepFunction
 from .device import Backend, MNDevice, mlsdk_missing_message
 from .errors import MLSDKNotInstalledError, MNCoreError, RegistrationError
 from .naming import optimizer_name_prefix, set_tensor_name
 from .presets import PRESET_DIR
+from .registry import device_optimizer_for
 from .specs import TensorSpec, check_input, check_input_keys
 
 # Where MLSDK's compile presets (debug.json, O0.json ... O4.json) live on SDK images; PFN's
@@ -147,6 +149,9 @@ class MLSDKContext(Context, backend=Backend.MLSDK):
         self.sdk_context = self.sdk.Context(self.sdk.MNDevice(str(self.device)))
         self._compile_keyword = compile_keyword(self.sdk)
         self._learning_rates: list[_DeviceLearningRates] = []
+        sdk_proxy = getattr(self.sdk, "TensorProxy", None)
+        if isinstance(sdk_proxy, type):  # isinstance(out, TensorProxy) holds for MLSDK's too
+            TensorProxy.register(sdk_proxy)
 
     @override
     def _made_current(self) -> None:
@@ -267,10 +272,14 @@ class MLSDKContext(Context, backend=Backend.MLSDK):
         try:
             parameters = inspect.signature(self.sdk.Context.compile).parameters
         except (TypeError, ValueError):  # no signature: pass them all
-            return keywords.given()
-        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+            parameters = {}
+            takes_any = True
+        else:
+            takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
         result = {}
         for key, value in keywords.given().items():
+            if key == "optimizers":  # the optimizers MLSDK runs (registry may have converted)
+                value = [device_optimizer_for(o) for o in value]
             if takes_any or key in parameters:
                 result[key] = value
             else:

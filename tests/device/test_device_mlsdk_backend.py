@@ -508,3 +508,13 @@ def test_mncore_lr_scheduler_pushes_rates_through_mlsdk(mlsdk):
     compiled({"x": torch.ones(1, 1)})  # w = 0.9 - 0.5
     context.synchronize()
     assert model.weight.item() == pytest.approx(0.4)
+
+
+def test_mlsdk_tensor_proxies_are_tensor_proxies(mlsdk, tmp_path):
+    from mncore_device import TensorProxy
+
+    context = new_context()
+    compiled = compile_add(context, tmp_path / "add")
+    out = compiled({"x": torch.ones(3, 4), "y": torch.ones(3, 4)})["out"]
+    assert isinstance(out, mlsdk.TensorProxy) and isinstance(out, TensorProxy)
+    torch.testing.assert_close(out.cpu(), torch.full((3, 4), 2.0))
