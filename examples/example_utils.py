@@ -12,7 +12,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, TQDMProgressBar
 from lightning.pytorch.loggers import TensorBoardLogger
 
 PRESETS = ("O0", "O1", "O2", "O3", "O4", "debug")
@@ -131,7 +131,10 @@ def build_trainer(
         max_epochs=args.epochs,
         limit_train_batches=args.limit_train_batches,
         logger=logger,
-        callbacks=[TutorialPrinter(), checkpoint],
+        # TQDM's bar, explicitly: Lightning picks Rich's when `rich` is installed (transformers
+        # brings it), and the examples' console output should not depend on that.
+        callbacks=[TutorialPrinter(), checkpoint]
+        + ([] if args.no_progress_bar else [TQDMProgressBar()]),
         log_every_n_steps=max(1, min(10, train_batches // 10)),
         enable_progress_bar=not args.no_progress_bar,
         enable_model_summary=False,
