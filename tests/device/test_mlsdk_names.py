@@ -457,3 +457,32 @@ def test_cache_options_takes_mlsdks_flags(tmp_path):
     first = context.compile(double, {"x": torch.ones(2)}, options=options, cache_options=on)
     second = context.compile(double, {"x": torch.ones(2)}, options=options, cache_options=on)
     assert (first.cache_hit, second.cache_hit) == (False, True)
+
+
+def test_float_dtype_mixed_trains_like_eager_autocast():
+    """Forward under autocast, backward and update as autograd does them: as eager."""
+    context = _context()
+    model = _mlp()
+    reference = copy.deepcopy(model)
+    optimizer = MNCoreSGD(model.parameters(), 0.1, 0.9, 0.0)
+    _register(context, model, optimizer)
+    batches = [_batch(seed=i) for i in range(3)]
+    compiled = context.compile(
+        _train_step(model, optimizer),
+        batches[0],
+        options={"option_json": "O0", "float_dtype": "mixed"},
+    )
+    losses = [compiled(b)["loss"].cpu() for b in batches]
+    context.synchronize()
+    eager_optimizer = torch.optim.SGD(reference.parameters(), 0.1, 0.9)
+    expected = []
+    for batch in batches:
+        eager_optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(reference(batch["x"]), batch["t"])
+        loss.backward()
+        eager_optimizer.step()
+        expected.append(loss.detach())
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected), rtol=1e-6, atol=1e-6)
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
