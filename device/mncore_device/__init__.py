@@ -12,7 +12,7 @@ from ._source import add_library_dirs
 from .artifacts import CacheOptions
 from .automap import AutomapFunction, register_pytree_dataclass, register_pytree_namedtuple
 from .compile_keywords import CompileKeywords
-from .compiled import CompiledFunction, InputProxy, TensorProxy
+from .compiled import CompiledFunction, InputProxy, TensorLike, TensorProxy
 from .context import Context, Role
 from .device import BACKENDS, Backend, MNDevice, mlsdk_available, resolve_backend
 from .emulator import EmulatorContext, RegisteredValueProxy
@@ -44,6 +44,7 @@ __all__ = [
     "IOSpec",
     "MNCoreLRScheduler",
     "Registry",
+    "TensorLike",
     "TensorProxy",
     "register_pytree_dataclass",
     "register_pytree_namedtuple",

@@ -160,3 +160,5 @@ class TensorProxy(ABC):  # noqa: B024 (an abstract type with no methods of its o
 
 TensorProxy.register(torch.Tensor)
 TensorProxy.register(InputProxy)
+
+TensorLike = torch.Tensor | TensorProxy  # MLSDK's type hint for "a tensor or a device value"

@@ -27,6 +27,7 @@ from mncore_lightning.mlsdk import (
     MNCoreOptimizer,
     MNCoreSGD,
     MNDevice,
+    TensorLike,
     TensorProxy,
     register_pytree_dataclass,
     register_pytree_namedtuple,
@@ -352,6 +353,7 @@ def test_tensor_proxy_covers_what_the_device_hands_out():
         assert isinstance(value, TensorProxy)
         assert isinstance(value.cpu(), torch.Tensor)
     assert not isinstance(3.0, TensorProxy)
+    assert isinstance(out, TensorLike) and isinstance(proxies["x"], TensorLike)
     torch.testing.assert_close(out.cpu(), model(_batch()["x"]))
 
 
