@@ -176,8 +176,6 @@ def speed(name: str, presets: list[str], steps: int, rounds: int) -> dict:
     """Steps/s of eager and of each preset, timed interleaved; compile seconds per preset."""
     import copy
 
-    import torch
-
     from mncore_device import Context, MNDevice
 
     model = build_model(name)
