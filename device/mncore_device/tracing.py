@@ -146,7 +146,7 @@ def trace_step(
         output_specs.update((k, TensorSpec.of(v)) for k, v in _check_outputs(result).items())
         return tuple(result[k] for k in output_specs)
 
-    with _rng_preserved():
+    with _rng_preserved(), _one_metadata_fake_mode():
         with _restored(reg_tensors, optimizers, guard):
             gm = make_fx(flat_step, _DECOMPOSITIONS, tracing_mode="real")(*reg_tensors, *inputs)
         gm = _strip_profiler_ops(gm)
@@ -413,6 +413,23 @@ class _restored:
 
 
 @contextlib.contextmanager
+def _one_metadata_fake_mode():
+    """make_fx records each node's shape and dtype as a fake tensor (node.meta["val"]). In
+    real mode it builds a new FakeTensorMode for every op's result unless a tracing context
+    provides one, and every FakeTensorMode captures the whole Python stack when it is made:
+    most of the trace time of a large model. One mode for the whole trace gives the same
+    metadata."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if TracingContext.try_get() is not None:
+        yield
+        return
+    with tracing(TracingContext(FakeTensorMode(allow_fallback_kernels=True))):
+        yield
+
+
+@contextlib.contextmanager
 def _rng_preserved():
     """Tracing draws random numbers (dropout); the compiled calls must draw the same ones."""
     cpu = torch.get_rng_state()
@@ -513,14 +530,20 @@ def _lift_constants(gm: fx.GraphModule, n_inputs_before: int) -> list[torch.Tens
 
 
 def _functionalize(gm: fx.GraphModule, args: list[torch.Tensor], n_state: int):
-    """Second pass: a mutation-free graph returning (*outputs, *updated state)."""
-    clones = [a.detach().clone() for a in args]
+    """Second pass: a mutation-free graph returning (*outputs, *updated state).
+
+    It runs on fake tensors: the first pass already ran the step for real and folded every
+    value-dependent read, so this pass needs only shapes (no compute, no copies of state)."""
+    from torch._guards import detect_fake_mode
+
+    fake_mode = detect_fake_mode()
+    fakes = [fake_mode.from_tensor(a.detach(), static_shapes=True) for a in args]
     interpreter = fx.Interpreter(gm)
     with fx_traceback.preserve_node_meta():
         functional = make_fx(
             torch.func.functionalize(interpreter.run, remove="mutations_and_views"),
-            tracing_mode="real",
-        )(*clones)
+            tracing_mode="fake",
+        )(*fakes)
     graph = functional.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     index_of = {node: i for i, node in enumerate(placeholders)}
