@@ -14,7 +14,12 @@ on `pfvm:cpu`), in a fresh subprocess with an empty Inductor cache:
     python benchmarks/bench_zoo.py [--models resnet18 vit_small ...] [--presets O0 O1 O2]
         [--steps 10 --rounds 3 --parity-steps 3 --threads 2 --out benchmarks/results/zoo.json]
 
-Results are merged into the JSON file by model, so the list can be measured in parts.
+Results are merged into the JSON file by model and key, so the list can be measured in parts
+(a parity-only run, `--presets` with no names, keeps a model's speed figures).
+
+One intra-op thread by default: on a shared machine, two OpenMP threads per process stall each
+other (a thread waits at every op's barrier for one that is descheduled), and steps slow down
+by 10x or more, eager and compiled alike, in a way that no interleaving cancels.
 """
 
 from __future__ import annotations
@@ -230,7 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--parity-steps", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="benchmarks/results/zoo.json")
     parser.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -247,7 +252,6 @@ def main(argv: list[str] | None = None) -> dict:
     for name in args.models:
         with tempfile.TemporaryDirectory() as cache:
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "PYTHONWARNINGS": "ignore"}
-            start = time.perf_counter()
             done = subprocess.run(
                 [sys.executable, __file__, "--_child", name, *passthrough],
                 capture_output=True,
@@ -259,8 +263,7 @@ def main(argv: list[str] | None = None) -> dict:
             report[name] = {"error": done.stderr.strip().splitlines()[-1:]}
             print(f"{name}: FAILED\n{done.stderr[-3000:]}", flush=True)
             continue
-        report[name] = json.loads(line[len("RESULT ") :])
-        report[name]["wall_seconds"] = time.perf_counter() - start
+        report[name] = {**report.get(name, {}), **json.loads(line[len("RESULT ") :])}
         print(summary(name, report[name]), flush=True)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=1))

@@ -536,8 +536,10 @@ def _functionalize(gm: fx.GraphModule, args: list[torch.Tensor], n_state: int):
     value-dependent read, so this pass needs only shapes (no compute, no copies of state)."""
     from torch._guards import detect_fake_mode
 
-    fake_mode = detect_fake_mode()
-    fakes = [fake_mode.from_tensor(a.detach(), static_shapes=True) for a in args]
+    with detect_fake_mode():  # separate fresh tensors, as clones would be (and cheaper)
+        fakes = [
+            torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device) for a in args
+        ]
     interpreter = fx.Interpreter(gm)
     with fx_traceback.preserve_node_meta():
         functional = make_fx(
