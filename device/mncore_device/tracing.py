@@ -31,6 +31,7 @@ import torch.fx as fx
 from torch._decomp import decompositions
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.fx import traceback as fx_traceback
+from torch.fx.experimental import proxy_tensor
 from torch.fx.experimental.proxy_tensor import (
     disable_proxy_modes_tracing,
     get_proxy_mode,
@@ -147,7 +148,7 @@ def trace_step(
         return tuple(result[k] for k in output_specs)
 
     with _rng_preserved(), _one_metadata_fake_mode():
-        with _restored(reg_tensors, optimizers, guard):
+        with _restored(reg_tensors, optimizers, guard), _no_node_values():
             gm = make_fx(flat_step, _DECOMPOSITIONS, tracing_mode="real")(*reg_tensors, *inputs)
         gm = _strip_profiler_ops(gm)
         constants = _lift_constants(gm, n_inputs_before=len(reg_tensors))
@@ -427,6 +428,20 @@ def _one_metadata_fake_mode():
         return
     with tracing(TracingContext(FakeTensorMode(allow_fallback_kernels=True))):
         yield
+
+
+@contextlib.contextmanager
+def _no_node_values():
+    """The first pass records no shape/dtype metadata (node.meta["val"]) on its nodes.
+
+    Its graph is only replayed by the functionalizing pass, which records its own. Making a
+    fake tensor for each result of the real-mode trace was a third of the first pass's time."""
+    original = proxy_tensor.set_meta
+    proxy_tensor.set_meta = lambda proxy, value: proxy
+    try:
+        yield
+    finally:
+        proxy_tensor.set_meta = original
 
 
 @contextlib.contextmanager
