@@ -237,8 +237,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--parity-steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="benchmarks/results/zoo.json")
+    parser.add_argument("--table", action="store_true", help="print --out as a markdown table")
     parser.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.table:
+        print(markdown_table(json.loads(Path(args.out).read_text())))
+        return {}
     if args._child:
         print("RESULT " + json.dumps(child(args._child, args)))
         return {}
@@ -282,6 +286,34 @@ def summary(name: str, r: dict) -> str:
         if preset != "eager":
             text += f"  {preset} {value:.2f}x ({r['compile_seconds'][preset]:.0f}s)"
     return text
+
+
+def markdown_table(report: dict) -> str:
+    """One row per model: parity at O0, trace seconds, compile seconds and speed per preset."""
+    presets = sorted({p for r in report.values() for p in r.get("compile_seconds", {})})
+    head = ["model", "input", "O0 max abs diff (loss, params, buffers)", "trace (s)"]
+    head += [f"{p} compile (s)" for p in presets if p != "O0"]
+    head += ["eager steps/s"] + [f"{p} / eager" for p in presets]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, r in report.items():
+        p = r.get("parity", {})
+        diffs = [p.get(k) for k in ("loss_max_diff", "param_max_diff", "buffer_max_diff")]
+        parity = "" if None in diffs else ", ".join(f"{d:.3g}" for d in diffs)
+        cells = [name, "x".join(map(str, r.get("input", []))), parity]
+        cells.append(f"{p['trace_seconds']:.1f}" if p else "")
+        cells += [
+            f"{r['compile_seconds'][q]:.0f}" if q in r.get("compile_seconds", {}) else ""
+            for q in presets
+            if q != "O0"
+        ]
+        speed = r.get("steps_per_second", {})
+        cells.append(f"{speed['eager']:.1f}" if speed else "")
+        cells += [
+            f"{r['speedup_vs_eager'][q]:.2f}x" if q in r.get("speedup_vs_eager", {}) else ""
+            for q in presets
+        ]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":
