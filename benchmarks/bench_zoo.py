@@ -267,7 +267,10 @@ def main(argv: list[str] | None = None) -> dict:
             report[name] = {"error": done.stderr.strip().splitlines()[-1:]}
             print(f"{name}: FAILED\n{done.stderr[-3000:]}", flush=True)
             continue
-        report[name] = {**report.get(name, {}), **json.loads(line[len("RESULT ") :])}
+        entry = report.setdefault(name, {})
+        for key, value in json.loads(line[len("RESULT ") :]).items():
+            both = isinstance(value, dict) and isinstance(entry.get(key), dict)
+            entry[key] = {**entry[key], **value} if both else value
         print(summary(name, report[name]), flush=True)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=1))
