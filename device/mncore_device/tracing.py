@@ -423,7 +423,8 @@ def _one_metadata_fake_mode():
     from torch._guards import TracingContext, tracing
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    if TracingContext.try_get() is not None:
+    context = TracingContext.try_get()
+    if context is not None and context.fake_mode is not None:
         yield
         return
     with tracing(TracingContext(FakeTensorMode(allow_fallback_kernels=True))):
