@@ -128,3 +128,35 @@ def test_torchvision_family_trains_bit_identical_to_eager_at_o0(context, build):
     theirs = reference.state_dict()
     for name, mine in model.state_dict().items():
         torch.testing.assert_close(mine, theirs[name], rtol=0, atol=0, msg=name)
+
+
+def test_o1_trains_a_batchnorm_conv_net_as_eager(context):
+    """O1 (Inductor, convolutions in the weights' stored layout) trains a grouped BatchNorm
+    conv net as eager does; its fused BatchNorm and update round differently, within 1e-5."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, stride=2, groups=2),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 10),
+    )
+    reference = copy.deepcopy(model)
+    optimizer = make_sgd(model.parameters(), 0.05, 0.9)
+    register(context, model, optimizer)
+    batches = [{"x": torch.randn(4, 3, 8, 8), "t": torch.arange(4) + i} for i in range(3)]
+    step = training_step(model, optimizer, cross_entropy)
+    compiled = context.compile(step, batches[0], options={"option_json": "O1"})
+    losses = device_train(compiled, batches)
+    expected = eager_train(
+        reference, make_sgd(reference.parameters(), 0.05, 0.9), cross_entropy, batches
+    )
+    torch.testing.assert_close(losses, expected, rtol=0, atol=1e-5)
+    context.synchronize()
+    theirs = reference.state_dict()
+    for name, mine in model.state_dict().items():
+        torch.testing.assert_close(mine, theirs[name], rtol=1e-5, atol=1e-5, msg=name)
