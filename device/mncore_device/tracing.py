@@ -3,8 +3,8 @@
 The function may call `optimizer.zero_grad()`, a model, `loss.backward()` and
 `optimizer.step()`. It is traced with make_fx in real mode, with the registered tensors
 themselves as graph inputs, so the forward, the backward and the in-place update are all
-recorded. A second pass functionalizes the graph: every in-place update of state becomes a
-new value that the graph returns. The result has the signature
+recorded. A second pass, on fake tensors (shapes only), functionalizes the graph: every
+in-place update of state becomes a new value that the graph returns. The result has the signature
 
     graph(*state, *inputs) -> (*outputs, *new_values_of_mutated_state)
 
@@ -415,11 +415,11 @@ class _restored:
 
 @contextlib.contextmanager
 def _one_metadata_fake_mode():
-    """make_fx records each node's shape and dtype as a fake tensor (node.meta["val"]). In
-    real mode it builds a new FakeTensorMode for every op's result unless a tracing context
-    provides one, and every FakeTensorMode captures the whole Python stack when it is made:
-    most of the trace time of a large model. One mode for the whole trace gives the same
-    metadata."""
+    """One fake mode for the whole trace: the functionalizing pass runs in it, and the node
+    values that make_fx records in real mode come from it. Without a tracing context that
+    provides one, real-mode make_fx builds a new FakeTensorMode for every value it records,
+    and each captures the whole Python stack when it is made (most of the trace time of a
+    large model, before the first pass stopped recording values)."""
     from torch._guards import TracingContext, tracing
     from torch._subclasses.fake_tensor import FakeTensorMode
 
