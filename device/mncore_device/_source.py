@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
+import sys
 import traceback
 from pathlib import Path
 
@@ -41,19 +43,33 @@ def add_library_dirs(*packages: str) -> None:
 
 
 def _is_library(filename: str) -> bool:
+    return _is_library_in(filename, _LIBRARY_DIRS)
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_library_in(filename: str, library_dirs: tuple[str, ...]) -> bool:
+    """Cached: tracing asks this for every frame of every op, and resolving paths is slow."""
     if filename.startswith("<"):  # generated code (fx, make_fx wrappers), not a notebook cell
         return not filename.startswith(("<stdin>", "<ipython"))
-    return str(Path(filename).resolve()).startswith(_LIBRARY_DIRS)
+    return str(Path(filename).resolve()).startswith(library_dirs)
 
 
 def user_frame_summary(
     frames: list[traceback.FrameSummary] | None = None,
 ) -> traceback.FrameSummary | None:
-    """The innermost frame outside torch, Lightning and this package."""
-    frames = traceback.extract_stack() if frames is None else frames
-    for frame in reversed(frames):
-        if not _is_library(frame.filename):
-            return frame
+    """The innermost frame outside torch, Lightning and this package.
+
+    Without `frames`, the live stack is walked from the innermost frame out and only the
+    frame found is summarized (tracing asks this for every op: extracting the whole stack
+    each time was a large share of trace time)."""
+    if frames is not None:
+        return next((f for f in reversed(frames) if not _is_library(f.filename)), None)
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if not _is_library(code.co_filename):
+            return traceback.FrameSummary(code.co_filename, frame.f_lineno, code.co_name)
+        frame = frame.f_back
     return None
 
 

@@ -3,8 +3,8 @@
 The function may call `optimizer.zero_grad()`, a model, `loss.backward()` and
 `optimizer.step()`. It is traced with make_fx in real mode, with the registered tensors
 themselves as graph inputs, so the forward, the backward and the in-place update are all
-recorded. A second pass functionalizes the graph: every in-place update of state becomes a
-new value that the graph returns. The result has the signature
+recorded. A second pass, on fake tensors (shapes only), functionalizes the graph: every
+in-place update of state becomes a new value that the graph returns. The result has the signature
 
     graph(*state, *inputs) -> (*outputs, *new_values_of_mutated_state)
 
@@ -31,6 +31,7 @@ import torch.fx as fx
 from torch._decomp import decompositions
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.fx import traceback as fx_traceback
+from torch.fx.experimental import proxy_tensor
 from torch.fx.experimental.proxy_tensor import (
     disable_proxy_modes_tracing,
     get_proxy_mode,
@@ -151,8 +152,8 @@ def trace_step(
         output_specs.update((k, TensorSpec.of(v)) for k, v in _check_outputs(result).items())
         return tuple(result[k] for k in output_specs)
 
-    with _rng_preserved():
-        with _restored(reg_tensors, optimizers, guard):
+    with _rng_preserved(), _one_metadata_fake_mode():
+        with _restored(reg_tensors, optimizers, guard), _no_node_values():
             gm = make_fx(flat_step, _DECOMPOSITIONS, tracing_mode="real")(*reg_tensors, *inputs)
         gm = _strip_profiler_ops(gm)
         constants = _lift_constants(gm, n_inputs_before=len(reg_tensors))
@@ -426,6 +427,38 @@ class _restored:
 
 
 @contextlib.contextmanager
+def _one_metadata_fake_mode():
+    """One fake mode for the whole trace: the functionalizing pass runs in it, and the node
+    values that make_fx records in real mode come from it. Without a tracing context that
+    provides one, real-mode make_fx builds a new FakeTensorMode for every value it records,
+    and each captures the whole Python stack when it is made (most of the trace time of a
+    large model, before the first pass stopped recording values)."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    context = TracingContext.try_get()
+    if context is not None and context.fake_mode is not None:
+        yield
+        return
+    with tracing(TracingContext(FakeTensorMode(allow_fallback_kernels=True))):
+        yield
+
+
+@contextlib.contextmanager
+def _no_node_values():
+    """The first pass records no shape/dtype metadata (node.meta["val"]) on its nodes.
+
+    Its graph is only replayed by the functionalizing pass, which records its own. Making a
+    fake tensor for each result of the real-mode trace was a third of the first pass's time."""
+    original = proxy_tensor.set_meta
+    proxy_tensor.set_meta = lambda proxy, value: proxy
+    try:
+        yield
+    finally:
+        proxy_tensor.set_meta = original
+
+
+@contextlib.contextmanager
 def _rng_preserved():
     """Tracing draws random numbers (dropout); the compiled calls must draw the same ones."""
     cpu = torch.get_rng_state()
@@ -526,14 +559,22 @@ def _lift_constants(gm: fx.GraphModule, n_inputs_before: int) -> list[torch.Tens
 
 
 def _functionalize(gm: fx.GraphModule, args: list[torch.Tensor], n_state: int):
-    """Second pass: a mutation-free graph returning (*outputs, *updated state)."""
-    clones = [a.detach().clone() for a in args]
+    """Second pass: a mutation-free graph returning (*outputs, *updated state).
+
+    It runs on fake tensors: the first pass already ran the step for real and folded every
+    value-dependent read, so this pass needs only shapes (no compute, no copies of state)."""
+    from torch._guards import detect_fake_mode
+
+    with detect_fake_mode():  # separate fresh tensors, as clones would be (and cheaper)
+        fakes = [
+            torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device) for a in args
+        ]
     interpreter = fx.Interpreter(gm)
     with fx_traceback.preserve_node_meta():
         functional = make_fx(
             torch.func.functionalize(interpreter.run, remove="mutations_and_views"),
-            tracing_mode="real",
-        )(*clones)
+            tracing_mode="fake",
+        )(*fakes)
     graph = functional.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     index_of = {node: i for i, node in enumerate(placeholders)}
