@@ -226,8 +226,9 @@ def _profile_mncore_step(trainer, model, loader) -> dict:
         return (time.perf_counter() - start) / n * 1e6
 
     data_us = _loader_us(loader, n)
-    hook = strategy._train_hook
     model._current_fx_name = "training_step"
+    strategy.training_step(batches[0], 0)  # an epoch's shorter last group may have run last
+    hook = strategy._train_hook
     step_us = per_step(lambda i, b: strategy.training_step(b, i))
     counters = strategy._counters((0,))
     first = list(batches[0]) if k > 1 else batches[0]

@@ -149,3 +149,32 @@ def test_unsupported_combinations_are_refused(model_cls, overrides, message):
 def test_steps_per_call_must_be_a_positive_int(bad):
     with pytest.raises((TypeError, ValueError), match="steps_per_call"):
         MNCoreStrategy(steps_per_call=bad)
+
+
+class EpochLogged(LitClassifier):
+    """Lightning's own `log` (not overridden): replays take the direct path after the first."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("loss", loss, on_step=True, on_epoch=True, prog_bar=True)
+        self.log("loss_max", loss, on_step=False, on_epoch=True, reduce_fx="max")
+        return loss
+
+
+@pytest.mark.parametrize("accelerator", ["cpu", "mncore"])
+def test_epoch_aggregates_of_k_step_calls_match(accelerator):
+    def fit(k: int):
+        L.seed_everything(0, verbose=False)
+        model = EpochLogged()
+        kwargs = trainer_kwargs(max_epochs=1)
+        kwargs["accelerator"] = accelerator if k == 1 else "mncore"
+        if k > 1:
+            kwargs["strategy"] = MNCoreStrategy(steps_per_call=k)
+        trainer = L.Trainer(**kwargs)
+        trainer.fit(model, loader(n=112, batch_size=16, shuffle=True))  # 7 batches: 3 + 3 + 1
+        return trainer.callback_metrics
+
+    reference, grouped = fit(1), fit(3)
+    for key in ("loss_epoch", "loss_max"):
+        torch.testing.assert_close(grouped[key], reference[key], atol=ATOL, rtol=0, msg=key)
