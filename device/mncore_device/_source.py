@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
 import traceback
@@ -43,7 +44,14 @@ def add_library_dirs(*packages: str) -> None:
 def _is_library(filename: str) -> bool:
     if filename.startswith("<"):  # generated code (fx, make_fx wrappers), not a notebook cell
         return not filename.startswith(("<stdin>", "<ipython"))
-    return str(Path(filename).resolve()).startswith(_LIBRARY_DIRS)
+    return _resolved(filename).startswith(_LIBRARY_DIRS)
+
+
+@functools.lru_cache(maxsize=4096)
+def _resolved(filename: str) -> str:
+    """A frame's file, symlinks resolved: asked for every frame of every traced op, and each
+    resolution is a series of system calls, so it is done once per file."""
+    return str(Path(filename).resolve())
 
 
 def user_frame_summary(
