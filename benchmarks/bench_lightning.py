@@ -16,6 +16,7 @@ often a fit synchronized the host. A config ending in "-bf16" runs precision="bf
 
     python benchmarks/bench_lightning.py [--repeats 3] [--epochs 4] [--model mlp|cnn]
         [--configs eager cpu mncore-O0 mncore-O1 cpu-bf16 mncore-O1-bf16] [--out FILE]
+        [--threads 2]
 """
 
 from __future__ import annotations
@@ -115,14 +116,14 @@ class _EpochTimer:
             )
 
 
-def run_one(config: str, epochs: int, model_name: str = "mlp") -> dict:
+def run_one(config: str, epochs: int, model_name: str = "mlp", threads: int = 2) -> dict:
     """Run one configuration in this process; returns its timings.
 
     config: "eager", "cpu" or "mncore-<preset>", with "-bf16" for precision="bf16-mixed".
     """
     import torch
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(threads)
     torch.manual_seed(0)
     loader = _data(model_name)
     model = _module_cls(model_name)()
@@ -279,10 +280,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--configs", nargs="+", default=["eager", "cpu", "mncore-O0", "mncore-O1"])
     parser.add_argument("--out", default="benchmarks/results/lightning.json")
     parser.add_argument("--model", choices=["mlp", "cnn"], default="mlp")
+    # 1 thread gives steadier ratios on a machine shared with other jobs
+    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args._child:
-        result = run_one(args._child, args.epochs, args.model)
+        result = run_one(args._child, args.epochs, args.model, args.threads)
         result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print("RESULT " + json.dumps(result))
         return result
@@ -300,6 +303,8 @@ def main(argv: list[str] | None = None) -> dict:
                     str(args.epochs),
                     "--model",
                     args.model,
+                    "--threads",
+                    str(args.threads),
                 ],
                 capture_output=True,
                 text=True,
@@ -315,7 +320,7 @@ def main(argv: list[str] | None = None) -> dict:
         "model": args.model,
         "batch": BATCH,
         "steps_per_epoch": STEPS_PER_EPOCH,
-        "threads": 2,
+        "threads": args.threads,
         "configs": {},
     }
     cpu = statistics.median(r["steps_per_second"] for r in runs["cpu"]) if "cpu" in runs else None
