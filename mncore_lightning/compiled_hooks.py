@@ -239,13 +239,13 @@ class BatchLayout:
         values; None when they are the same."""
         if self.spec != other.spec:
             return f"its structure changed from {self.spec} to {other.spec}"
-        names = _leaf_names(self.spec)
         if self.tensor_positions != other.tensor_positions:
             moved = sorted(set(self.tensor_positions) ^ set(other.tensor_positions))
-            return f"batch{names[moved[0]]} is a tensor in one batch and not in the other"
+            name = _leaf_names(self.spec)[moved[0]]  # named only when reported: once
+            return f"batch{name} is a tensor in one batch and not in the other"
         for (i, mine), (_, theirs) in zip(self.fixed, other.fixed, strict=True):
             if mine is not theirs and mine != theirs:
-                return f"batch{names[i]} changed from {mine!r} to {theirs!r}"
+                return f"batch{_leaf_names(self.spec)[i]} changed from {mine!r} to {theirs!r}"
         return None
 
     def rebuild(self, inputs: Mapping[str, torch.Tensor]) -> Any:
