@@ -1,4 +1,5 @@
-"""`MNCoreStrategy`: every training batch is ONE compiled call on the MN-Core device.
+"""`MNCoreStrategy`: every training batch (or group of `steps_per_call` batches) is ONE
+compiled call on the MN-Core device.
 
 At setup the strategy converts the optimizers in place to ones the device runs, names and
 registers the module's parameters and buffers and the optimizers' state with a device-layer
