@@ -178,3 +178,18 @@ def test_epoch_aggregates_of_k_step_calls_match(accelerator):
     reference, grouped = fit(1), fit(3)
     for key in ("loss_epoch", "loss_max"):
         torch.testing.assert_close(grouped[key], reference[key], atol=ATOL, rtol=0, msg=key)
+
+
+class UngroupsBatches(LitClassifier):
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        return batch[0]  # the group's first batch instead of the group
+
+
+def test_a_hook_that_replaces_the_group_is_named():
+    trainer = L.Trainer(
+        accelerator="mncore",
+        strategy=MNCoreStrategy(steps_per_call=2),
+        **trainer_kwargs(max_epochs=1),
+    )
+    with pytest.raises(MisconfigurationException, match="steps_per_call=2.*got a list"):
+        trainer.fit(UngroupsBatches(), loader(n=64, batch_size=16))
