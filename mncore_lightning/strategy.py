@@ -83,9 +83,10 @@ class MNCoreStrategy(SingleDeviceStrategy):
             series gets the group's last value), `trainer.global_step` counts every
             optimizer step and training_step's returned loss is the group's last. An epoch
             whose batch count is not a multiple of K ends with one shorter group (a second
-            graph). Supported with automatic optimization, without gradient accumulation,
-            step-interval LR schedulers, gradient hooks, metrics updated in training_step or
-            tensors carried between steps; each of those raises a clear error.
+            graph), and a group that would run past `max_steps` is cut there. Supported
+            with automatic optimization, without gradient accumulation, step-interval LR
+            schedulers, gradient hooks, metrics updated in training_step or tensors carried
+            between steps; each of those raises a clear error.
     """
 
     strategy_name = "mncore"
@@ -205,8 +206,6 @@ class MNCoreStrategy(SingleDeviceStrategy):
             refused = "an LR scheduler with interval='step' (Lightning steps it once per call)"
         elif self._user_hooks.intersection(GRADIENT_HOOKS):
             refused = "a gradient hook (on_after_backward, on_before_optimizer_step)"
-        elif trainer.max_steps > 0 and trainer.max_steps % k:
-            refused = f"max_steps={trainer.max_steps}, not a multiple of {k}"
         if refused:
             raise MisconfigurationException(
                 f"MNCoreStrategy(steps_per_call={k}) runs {k} training steps in one device "
@@ -304,7 +303,11 @@ class MNCoreStrategy(SingleDeviceStrategy):
                     f"{type(batch).__name__}: use a single training DataLoader, and return "
                     "the group (a list of batches) unchanged from batch transfer hooks."
                 )
-            batch, steps = list(batch), len(batch)
+            batch = list(batch)
+            max_steps = module.trainer.max_steps
+            if max_steps >= 0:  # Lightning stops at max_steps: a group runs no step past it
+                batch = batch[: max(max_steps - module.trainer.global_step, 1)]
+            steps = len(batch)
         self._push_host_edits()  # may re-register a module whose structure changed
         counters = self._counters(rest)
         manual = not module.automatic_optimization

@@ -131,9 +131,8 @@ class StepScheduled(LitClassifier):
         (ManualModel, {}, "manual optimization"),
         (StepScheduled, {}, "interval='step'"),
         (LitClassifier, {"accumulate_grad_batches": 2}, "accumulate_grad_batches=2"),
-        (LitClassifier, {"max_steps": 6}, "max_steps=6, not a multiple of 4"),
     ],
-    ids=["manual", "step-scheduler", "accumulation", "max-steps"],
+    ids=["manual", "step-scheduler", "accumulation"],
 )
 def test_unsupported_combinations_are_refused(model_cls, overrides, message):
     trainer = L.Trainer(
@@ -193,3 +192,22 @@ def test_a_hook_that_replaces_the_group_is_named():
     )
     with pytest.raises(MisconfigurationException, match="steps_per_call=2.*got a list"):
         trainer.fit(UngroupsBatches(), loader(n=64, batch_size=16))
+
+
+def test_max_steps_counts_optimizer_steps():
+    def fit(k: int):
+        L.seed_everything(0, verbose=False)
+        model = LitClassifier()
+        trainer = L.Trainer(
+            accelerator="mncore",
+            strategy=MNCoreStrategy(steps_per_call=k),
+            **trainer_kwargs(max_epochs=5, max_steps=8),
+        )
+        trainer.fit(model, loader(n=96, batch_size=16, shuffle=True))  # 6 batches per epoch
+        return trainer, model
+
+    # with K=4: groups of 4 and 2 in epoch 0, then one of 4 cut to the 2 steps left
+    (one_trainer, one_model), (k_trainer, k_model) = fit(1), fit(4)
+    assert k_trainer.global_step == one_trainer.global_step == 8
+    assert k_trainer.current_epoch == one_trainer.current_epoch  # stopped in the same epoch
+    assert_state_close(k_model, one_model)
