@@ -11,10 +11,12 @@ separately as "first epoch seconds"). Also reports where an mncore step's time g
 DataLoader, Lightning's loop, the compiled call, replaying `self.log`, the strategy's own
 overhead and, within it, the guards' share (measured with the guards switched off), and how
 often a fit synchronized the host. A config ending in "-bf16" runs precision="bf16-mixed";
-`--model cnn` runs examples/mnist_cnn.py's CNN instead of the MLP.
+`--model cnn` runs examples/mnist_cnn.py's CNN instead of the MLP. A config with "-k<K>"
+(mncore-O1-k8) runs MNCoreStrategy(steps_per_call=K): K batches per device call.
 
     python benchmarks/bench_lightning.py [--repeats 3] [--epochs 4] [--model mlp|cnn]
         [--configs eager cpu mncore-O0 mncore-O1 cpu-bf16 mncore-O1-bf16] [--out FILE]
+        [--threads 2]
 """
 
 from __future__ import annotations
@@ -101,20 +103,34 @@ class _EpochTimer:
         self.extra: dict = {}
         self.callback = Cb()
 
+    def add_lightning_share(self) -> None:
+        """The Lightning loop's share: a steady step's wall time less what was measured."""
+        profile = self.extra.get("profile_us")
+        if profile and len(self.epochs) > 1:
+            step_us = statistics.median(self.epochs[1:]) / STEPS_PER_EPOCH * 1e6
+            profile["Lightning loop (step - dataloader - strategy)"] = round(
+                step_us
+                - profile["dataloader (per batch)"]
+                - profile["strategy.training_step (total)"],
+                1,
+            )
 
-def run_one(config: str, epochs: int, model_name: str = "mlp") -> dict:
+
+def run_one(config: str, epochs: int, model_name: str = "mlp", threads: int = 2) -> dict:
     """Run one configuration in this process; returns its timings.
 
     config: "eager", "cpu" or "mncore-<preset>", with "-bf16" for precision="bf16-mixed".
     """
     import torch
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(threads)
     torch.manual_seed(0)
     loader = _data(model_name)
     model = _module_cls(model_name)()
     precision = "bf16-mixed" if config.endswith("-bf16") else "32-true"
     config = config.removesuffix("-bf16")
+    steps_per_call = int(config.split("-k")[1]) if "-k" in config else 1
+    config = config.split("-k")[0]
     if config == "eager":
         return _run_eager(model, loader, epochs)
     import lightning as L
@@ -135,10 +151,13 @@ def run_one(config: str, epochs: int, model_name: str = "mlp") -> dict:
         trainer = L.Trainer(accelerator="cpu", **kwargs)
     else:
         preset = config.split("-")[1]
-        strategy = mncore_lightning.MNCoreStrategy(device="pfvm:cpu", preset=preset)
+        strategy = mncore_lightning.MNCoreStrategy(
+            device="pfvm:cpu", preset=preset, steps_per_call=steps_per_call
+        )
         trainer = L.Trainer(accelerator="mncore", strategy=strategy, **kwargs)
     syncs = _count_host_syncs()
     trainer.fit(model, loader)
+    timer.add_lightning_share()
     result = {**_summary(timer.epochs), **timer.extra}
     if config != "cpu":
         # Host refreshes during fit: this loop overrides only epoch-level hooks, so a plain
@@ -189,26 +208,35 @@ def _summary(epoch_seconds: list[float]) -> dict:
 
 
 def _profile_mncore_step(trainer, model, loader) -> dict:
-    """Per-step microseconds of the parts of an mncore step, measured outside the loop."""
+    """Per-step microseconds of the parts of an mncore step, measured outside the loop
+    (with steps_per_call=K, per call divided by K)."""
     from mncore_lightning.compiled_hooks import BatchLayout
+    from mncore_lightning.data import StepGroups
     from mncore_lightning.step_counters import counter_inputs
 
     strategy = trainer.strategy
-    batches = [b for _, b in zip(range(50), loader, strict=False)]
-    n = len(batches)
+    k = strategy.steps_per_call
+    source = StepGroups(loader, k) if k > 1 else loader
+    batches = [b for _, b in zip(range(max(50 // k, 4)), source, strict=False)]
+    n = len(batches) * k
 
-    def per_step(fn) -> float:
-        start = time.perf_counter()
-        for i, b in enumerate(batches):
-            fn(i, b)
-        return (time.perf_counter() - start) / n * 1e6
+    def per_step(fn) -> float:  # the median of 3 passes: the machine may be shared
+        passes = []
+        for _ in range(3):
+            start = time.perf_counter()
+            for i, b in enumerate(batches):
+                fn(i, b)
+            passes.append((time.perf_counter() - start) / n * 1e6)
+        return statistics.median(passes)
 
     data_us = _loader_us(loader, n)
-    hook = strategy._train_hook
     model._current_fx_name = "training_step"
+    strategy.training_step(batches[0], 0)  # an epoch's shorter last group may have run last
+    hook = strategy._train_hook
     step_us = per_step(lambda i, b: strategy.training_step(b, i))
     counters = strategy._counters((0,))
-    inputs = {**BatchLayout.of(batches[0])[1], **counter_inputs(counters), **hook.carried.inputs()}
+    first = list(batches[0]) if k > 1 else batches[0]
+    inputs = {**BatchLayout.of(first)[1], **counter_inputs(counters), **hook.carried.inputs()}
     args = hook.compiled._arguments(inputs)
     executor = hook.compiled._executor
     executor_us = per_step(lambda i, b: executor(args))
@@ -255,10 +283,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--configs", nargs="+", default=["eager", "cpu", "mncore-O0", "mncore-O1"])
     parser.add_argument("--out", default="benchmarks/results/lightning.json")
     parser.add_argument("--model", choices=["mlp", "cnn"], default="mlp")
+    # 1 thread gives steadier ratios on a machine shared with other jobs
+    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args._child:
-        result = run_one(args._child, args.epochs, args.model)
+        result = run_one(args._child, args.epochs, args.model, args.threads)
         result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print("RESULT " + json.dumps(result))
         return result
@@ -276,6 +306,8 @@ def main(argv: list[str] | None = None) -> dict:
                     str(args.epochs),
                     "--model",
                     args.model,
+                    "--threads",
+                    str(args.threads),
                 ],
                 capture_output=True,
                 text=True,
@@ -291,7 +323,7 @@ def main(argv: list[str] | None = None) -> dict:
         "model": args.model,
         "batch": BATCH,
         "steps_per_epoch": STEPS_PER_EPOCH,
-        "threads": 2,
+        "threads": args.threads,
         "configs": {},
     }
     cpu = statistics.median(r["steps_per_second"] for r in runs["cpu"]) if "cpu" in runs else None
@@ -309,7 +341,10 @@ def main(argv: list[str] | None = None) -> dict:
             entry["compile_seconds_median"] = round(
                 statistics.median(r["compile_seconds"] for r in results), 2
             )
-            entry["per_step_us"] = results[-1]["profile_us"]
+            entry["per_step_us"] = {  # medians over the runs
+                key: round(statistics.median(r["profile_us"][key] for r in results), 1)
+                for key in results[0]["profile_us"]
+            }
         if "host_syncs_per_fit" in results[0]:
             entry["host_syncs_per_fit"] = results[-1]["host_syncs_per_fit"]
         report["configs"][config] = entry

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils._pytree import (
     TreeSpec,
     keystr,
@@ -34,8 +36,16 @@ from mncore_device import CompiledFunction, Context
 from .carried_state import CarriedState
 from .optimizers import LiveHyperparameter, live_hyperparameters
 from .side_effects import MetricValue, SideEffects, is_metric
-from .step_counters import COUNTER_PREFIX, COUNTERS, LiveCounter, counter_inputs, live_counters
+from .step_counters import (
+    COUNTER_PREFIX,
+    COUNTERS,
+    STEP_COUNTERS,
+    LiveCounter,
+    counter_inputs,
+    live_counters,
+)
 
+_LIGHTNING_LOG = LightningModule.log
 LOG_PREFIX = "log/"
 OUTPUT_PREFIX = "out/"
 BATCH_PREFIX = "batch/"
@@ -49,6 +59,65 @@ class _LogCall:
     constant: Any  # the value, or a callable giving the live value at replay
     args: tuple
     kwargs: dict
+    # what Lightning derived from this call the first time (see _DerivedLog), for the replays
+    derived: Any = None
+
+
+@dataclass
+class _DerivedLog:
+    """Where Lightning stores a replayed tensor log (its result-collection entry) and the
+    batch size it weighs it with, recorded from one full `LightningModule.log` call.
+
+    `LightningModule.log` validates its arguments, builds and compares the entry's metadata
+    and moves the entry to the value's device at every call: ~70 µs per logged value, every
+    step, re-deriving what a compiled step's log call fixes once. Later replays of the same
+    call hand the value straight to that entry, as `log` would after its checks.
+    """
+
+    fx: str
+    results: Any  # Lightning's result collection the entry belongs to
+    entry: Any
+    key: str
+    batch_size: int
+
+    @staticmethod
+    def record(module: Any, log: Callable[..., None], call: _LogCall, value: Any) -> Any:
+        """Log `value` through `log`, and return what it derived (None if it stored nothing)."""
+        results = module.trainer._results
+        seen: list[tuple[str, int]] = []
+        update = results.update_metrics
+
+        def recording(key: str, value: Any, batch_size: int) -> None:
+            seen.append((key, batch_size))
+            update(key, value, batch_size)
+
+        results.update_metrics = recording
+        try:
+            log(call.name, value, *call.args, **call.kwargs)
+        finally:
+            del results.update_metrics
+        if len(seen) != 1:
+            return None
+        key, batch_size = seen[0]
+        return _DerivedLog(module._current_fx_name, results, results[key], key, batch_size)
+
+    def replay(self, module: Any, value: torch.Tensor) -> bool:
+        """Store `value` as `log` would; False if the entry is no longer Lightning's current
+        one (another loop's result collection, a reset), so the call must go through `log`."""
+        trainer = module.trainer
+        results = trainer._results
+        if (
+            results is not self.results
+            or module._current_fx_name != self.fx
+            or results.get(self.key) is not self.entry
+        ):
+            return False
+        connector = trainer._logger_connector
+        if connector.should_reset_tensors(self.fx):
+            results.reset(metrics=False, fx=self.fx)
+        results.update_metrics(self.key, value.detach().clone().squeeze(), self.batch_size)
+        connector._current_fx = self.fx
+        return True
 
 
 class LogRecorder:
@@ -62,6 +131,12 @@ class LogRecorder:
         self.calls: list[Any] = []  # _LogCall, or a metric call to replay (side_effects)
         self.tensors: dict[str, torch.Tensor] = {}
         self.batch_size = batch_size
+        self.step = 0  # which of a multi-step graph's steps is being traced
+
+    def start_step(self, step: int) -> None:
+        """The calls recorded from now on belong to step `step` of a multi-step graph: their
+        values are outputs of their own, and logged counters read `step` batches later."""
+        self.step = step
 
     def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         if self.batch_size is not None and not args:
@@ -70,11 +145,12 @@ class LogRecorder:
             # a metric's result or the Metric itself: logged after the metric's host replay
             self.calls.append(_LogCall(name, None, value, args, kwargs))
         elif isinstance(value, torch.Tensor):
-            key = LOG_PREFIX + name
+            key = LOG_PREFIX + (f"{self.step}/" if self.step else "") + name
             self.tensors[key] = value.detach()
             self.calls.append(_LogCall(name, key, None, args, kwargs))
         elif isinstance(value, LiveCounter):  # the counter's value at each call
-            self.calls.append(_LogCall(name, None, _counter_reader(value.name), args, kwargs))
+            reader = _counter_reader(value.name, self.step)
+            self.calls.append(_LogCall(name, None, reader, args, kwargs))
         elif isinstance(value, LiveHyperparameter):  # e.g. the learning rate, as it is now
             self.calls.append(_LogCall(name, None, value.reader, args, kwargs))
         elif isinstance(value, numbers.Number):
@@ -95,12 +171,18 @@ class LogRecorder:
         self, module: Any, outputs: Mapping[str, torch.Tensor], counters: Mapping[str, int]
     ) -> None:
         log = module.log
+        # a module that overrides log() sees every call
+        direct = getattr(type(module), "log", None) is _LIGHTNING_LOG
         for call in self.calls:
             if not isinstance(call, _LogCall):  # a metric call (side_effects), in step order
                 call.replay(outputs)
                 continue
             if call.key is not None:
                 value = outputs[call.key]
+                if direct and value.numel() == 1:
+                    if call.derived is None or not call.derived.replay(module, value):
+                        call.derived = _DerivedLog.record(module, log, call, value)
+                    continue
             elif isinstance(call.constant, MetricValue):
                 value = call.constant.host_value()
             elif callable(call.constant) and not is_metric(call.constant):
@@ -110,8 +192,18 @@ class LogRecorder:
             log(call.name, value, *call.args, **call.kwargs)
 
 
-def _counter_reader(name: str) -> Callable[[Mapping[str, int]], int]:
-    return lambda counters: counters[name]
+def _plain_log(call: Any) -> bool:
+    """A `self.log` of a tensor, counter, hyperparameter or number (no metric)."""
+    return (
+        isinstance(call, _LogCall)
+        and not isinstance(call.constant, MetricValue)
+        and not is_metric(call.constant)
+    )
+
+
+def _counter_reader(name: str, step: int = 0) -> Callable[[Mapping[str, int]], int]:
+    offset = step if name in STEP_COUNTERS else 0
+    return lambda counters: counters[name] + offset
 
 
 @contextlib.contextmanager
@@ -147,13 +239,13 @@ class BatchLayout:
         values; None when they are the same."""
         if self.spec != other.spec:
             return f"its structure changed from {self.spec} to {other.spec}"
-        names = _leaf_names(self.spec)
         if self.tensor_positions != other.tensor_positions:
             moved = sorted(set(self.tensor_positions) ^ set(other.tensor_positions))
-            return f"batch{names[moved[0]]} is a tensor in one batch and not in the other"
+            name = _leaf_names(self.spec)[moved[0]]  # named only when reported: once
+            return f"batch{name} is a tensor in one batch and not in the other"
         for (i, mine), (_, theirs) in zip(self.fixed, other.fixed, strict=True):
             if mine is not theirs and mine != theirs:
-                return f"batch{names[i]} changed from {mine!r} to {theirs!r}"
+                return f"batch{_leaf_names(self.spec)[i]} changed from {mine!r} to {theirs!r}"
         return None
 
     def rebuild(self, inputs: Mapping[str, torch.Tensor]) -> Any:
@@ -264,6 +356,7 @@ def compile_hook(
     manual: bool = False,
     accumulate: tuple[int, dict[torch.Tensor, torch.Tensor]] | None = None,
     update: bool = True,
+    steps: int | None = None,
     counters: Mapping[str, int],
     options: Mapping[str, Any],
     codegen_dir: Any = None,
@@ -277,11 +370,13 @@ def compile_hook(
     registered tensor per parameter, device state between micro-batches), and the update runs
     only when `update` (the graph that ends an accumulation window, zeroing them). With
     `return_gradients`, it also returns each parameter's gradient as backward left it (before
-    clipping, as Lightning's gradient hooks see it). Returns the hook and the inputs of this
-    batch.
+    clipping, as Lightning's gradient hooks see it). With `steps`, `batch` is a list of that
+    many batches and the graph holds that many training steps, one after the other, each
+    with its own batch, counters and logged values (MNCoreStrategy(steps_per_call=...)).
+    Returns the hook and the inputs of this batch.
     """
     layout, inputs = BatchLayout.of(batch)
-    recorder = LogRecorder(_static_batch_size(batch))
+    recorder = LogRecorder(_static_batch_size(batch if steps is None else batch[0]))
     returned = _Returned()
     gradient_params: dict[str, torch.Tensor] = {}
     carried = CarriedState(module)
@@ -297,10 +392,24 @@ def compile_hook(
     def step(graph_inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         batch = layout.rebuild(graph_inputs)
         carried.bind(graph_inputs)
-        live = {
-            name: LiveCounter(counters[name], name, graph_inputs[COUNTER_PREFIX + name], used)
-            for name in COUNTERS
-        }
+        if steps is None:
+            return one_step(batch, graph_inputs, 0)
+        outputs: dict[str, torch.Tensor] = {}
+        for index, each in enumerate(batch):  # unrolled: the graph holds every step
+            recorder.start_step(index)
+            outputs = one_step(each, graph_inputs, index)  # log outputs accumulate
+        recorder.start_step(0)
+        return outputs
+
+    def one_step(
+        batch: Any, graph_inputs: Mapping[str, torch.Tensor], index: int
+    ) -> dict[str, torch.Tensor]:
+        live = {}
+        for name in COUNTERS:
+            offset = index if name in STEP_COUNTERS else 0
+            tensor = graph_inputs[COUNTER_PREFIX + name]
+            tensor = tensor + offset if offset else tensor
+            live[name] = LiveCounter(counters[name] + offset, name, tensor, used)
         # batch_idx follows the batch; dataloader_idx is fixed per compiled hook
         args = (live["batch_idx"], *extra_args[1:]) if extra_args else ()
         with live_counters(module, live), live_hyperparameters():
@@ -387,6 +496,11 @@ def compile_hook(
             **effects.capture(),
         }
 
+    if steps is not None and carried.slots:
+        raise MisconfigurationException(
+            f"MNCoreStrategy(steps_per_call={steps}) cannot run a step that keeps tensors on its "
+            f"modules between steps ({', '.join(carried.slots)}); use steps_per_call=1."
+        )
     if torch.is_anomaly_enabled():
         _warn_anomaly_once()
     try:
@@ -402,6 +516,12 @@ def compile_hook(
             )
     finally:
         carried.restore()
+    if steps is not None and (effects.appends or not all(map(_plain_log, recorder.calls))):
+        raise MisconfigurationException(
+            f"MNCoreStrategy(steps_per_call={steps}) cannot run a training_step that updates "
+            "torchmetrics metrics or appends to a list of the module: their host replay "
+            "would run once per call. Update metrics in validation, or use steps_per_call=1."
+        )
     compiled_hook = CompiledHook(
         compiled,
         layout,

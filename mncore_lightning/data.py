@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
+from typing import Any
 
 from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
 from lightning.pytorch.trainer.states import RunningStage
@@ -66,3 +68,41 @@ def _iterable_with_drop_last(dataloader: DataLoader) -> DataLoader:
         stacklevel=3,
     )
     return rebuilt
+
+
+class StepGroup(list):
+    """The consecutive batches one K-step device call trains on (a list, so that Lightning's
+    batch transfer keeps its type)."""
+
+
+class StepGroups:
+    """A training loader whose items are lists of `steps` consecutive batches of `loader`.
+
+    `MNCoreStrategy(steps_per_call=K)` runs each item as one device call of K steps, so
+    Lightning's loop and its batch-level hooks see one item per K batches. An epoch whose batch
+    count is not a multiple of K ends with one shorter group holding the remaining batches (a
+    second compiled graph, traced once): no batch is dropped or run twice.
+    """
+
+    def __init__(self, loader: Any, steps: int) -> None:
+        self.loader = loader
+        self.steps = steps
+
+    def __iter__(self) -> Iterator[StepGroup]:
+        group = StepGroup()
+        for batch in self.loader:
+            group.append(batch)
+            if len(group) == self.steps:
+                yield group
+                group = StepGroup()
+        if group:
+            yield group
+
+    def __len__(self) -> int:
+        return -(-len(self.loader) // self.steps)  # ceil: the last group may be shorter
+
+    def __getattr__(self, name: str) -> Any:
+        # dataset, batch_size, sampler...: what code reading trainer.train_dataloader expects
+        if name == "loader":
+            raise AttributeError(name)
+        return getattr(self.loader, name)

@@ -97,6 +97,11 @@ class MNCorePrecision(Precision):
         trainer = model.trainer
         with trainer.strategy.updating():  # this micro-batch ends an accumulation window
             result = closure()
+        # A call of steps_per_call steps ran that many updates; Lightning counts one.
+        progress = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress
+        for _ in range(trainer.strategy.last_call_steps - 1):
+            progress.optimizer.step.increment_ready()
+            progress.optimizer.step.increment_completed()
         call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
         call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
         trainer.strategy.check_gradients_untouched("on_before_optimizer_step")

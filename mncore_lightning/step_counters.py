@@ -15,12 +15,15 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map
 
 from mncore_device import StaticGraphError
 from mncore_device._source import user_frame
 
 COUNTER_PREFIX = "counter/"
 COUNTERS = ("batch_idx", "global_step", "current_epoch")
+# the counters that advance with every step of a multi-step graph (steps_per_call)
+STEP_COUNTERS = ("batch_idx", "global_step")
 
 
 _UNUSED = torch.zeros((), dtype=torch.int64)
@@ -63,9 +66,23 @@ class LiveCounter(int):
             "(on_train_batch_start)."
         )
 
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        """A torch op given a counter (`loss * 2 + batch_idx`: the tensor's own arithmetic,
+        which would otherwise take the counter as the plain int it was at trace time)
+        computes with its live tensor."""
+        return func(*tree_map(_live_tensor, args), **tree_map(_live_tensor, kwargs or {}))
+
     __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = _static
     __bool__ = __index__ = __int__ = __float__ = _static
     __hash__ = int.__hash__
+
+
+def _live_tensor(value: Any) -> Any:
+    if isinstance(value, LiveCounter):
+        value.used.add(value.name)  # the graph reads this counter: feed it at each call
+        return value.tensor
+    return value
 
 
 def _arithmetic(name: str):

@@ -1,4 +1,5 @@
-"""`MNCoreStrategy`: every training batch is ONE compiled call on the MN-Core device.
+"""`MNCoreStrategy`: every training batch (or group of `steps_per_call` batches) is ONE
+compiled call on the MN-Core device.
 
 At setup the strategy converts the optimizers in place to ones the device runs, names and
 registers the module's parameters and buffers and the optimizers' state with a device-layer
@@ -42,7 +43,7 @@ from mncore_device import (
 from .accelerator import MNCoreAccelerator
 from .carried_state import signature as carried_signature
 from .compiled_hooks import BatchLayout, CompiledHook, compile_hook, shape_change
-from .data import with_drop_last
+from .data import StepGroup, StepGroups, with_drop_last
 from .device_selection import resolve_device, resolve_preset
 from .guards import carried_change, describe_change, structure_of
 from .host_sync import GRADIENT_HOOKS, HostSync, HostVersions, overridden_hooks
@@ -71,6 +72,21 @@ class MNCoreStrategy(SingleDeviceStrategy):
         max_retraces: how often a stage's steps may be traced again because something they
             were traced for changed (module structure, carried tensors); past it, an error
             names what keeps changing.
+        steps_per_call: training batches run by one device call (default 1). With K > 1,
+            the training DataLoader's batches are grouped K at a time and each group runs as
+            one compiled graph holding K whole training steps (as Keras' steps_per_execution),
+            which spreads the per-call cost of Lightning's loop and of the strategy over K
+            steps. Lightning then sees one batch per group: `batch_idx`, batch-level hooks
+            (which get the list of the group's batches), `limit_train_batches`,
+            `val_check_interval` and `log_every_n_steps` count groups; per-step `self.log`
+            values arrive K at a time (epoch aggregates are exact, a logger's step-level
+            series gets the group's last value), `trainer.global_step` counts every
+            optimizer step and training_step's returned loss is the group's last. An epoch
+            whose batch count is not a multiple of K ends with one shorter group (a second
+            graph), and a group that would run past `max_steps` is cut there. Supported
+            with automatic optimization, without gradient accumulation, step-interval LR
+            schedulers, gradient hooks, metrics updated in training_step or tensors carried
+            between steps; each of those raises a clear error.
     """
 
     strategy_name = "mncore"
@@ -86,7 +102,12 @@ class MNCoreStrategy(SingleDeviceStrategy):
         precision_plugin: Precision | None = None,
         backend: str | None = None,
         max_retraces: int = 8,
+        steps_per_call: int = 1,
     ) -> None:
+        if isinstance(steps_per_call, bool) or not isinstance(steps_per_call, int):
+            raise TypeError(f"steps_per_call must be an int, got {steps_per_call!r}")
+        if steps_per_call < 1:
+            raise ValueError(f"steps_per_call must be at least 1, got {steps_per_call}")
         super().__init__(
             device=torch.device("cpu"),
             accelerator=accelerator,
@@ -113,6 +134,8 @@ class MNCoreStrategy(SingleDeviceStrategy):
         self._retraces_by_stage: dict[str, int] = {}
         self._gradients: list[tuple[torch.nn.Parameter, torch.Tensor, int]] = []
         self.compiled_calls = 0
+        self.steps_per_call = steps_per_call
+        self.last_call_steps = 1  # training steps the last compiled training call ran
 
     # --- the accelerator and the precision plugin are ours -----------------------------------
 
@@ -168,6 +191,26 @@ class MNCoreStrategy(SingleDeviceStrategy):
         Context.switch_context(self.context)
         super().setup(trainer)
         self._register_state()
+        if self.steps_per_call > 1 and trainer.training:
+            self._check_steps_per_call(trainer)
+
+    def _check_steps_per_call(self, trainer: Any) -> None:
+        """What a K-step call cannot do as Lightning would, refused before the first step."""
+        k, module = self.steps_per_call, self.lightning_module
+        refused = None
+        if not module.automatic_optimization:
+            refused = "manual optimization (training_step calls the optimizers itself)"
+        elif trainer.accumulate_grad_batches != 1:
+            refused = f"accumulate_grad_batches={trainer.accumulate_grad_batches}"
+        elif any(c.interval == "step" for c in self.lr_scheduler_configs):
+            refused = "an LR scheduler with interval='step' (Lightning steps it once per call)"
+        elif self._user_hooks.intersection(GRADIENT_HOOKS):
+            refused = "a gradient hook (on_after_backward, on_before_optimizer_step)"
+        if refused:
+            raise MisconfigurationException(
+                f"MNCoreStrategy(steps_per_call={k}) runs {k} training steps in one device "
+                f"call and does not support {refused}; use steps_per_call=1."
+            )
 
     @override
     def setup_optimizers(self, trainer: Any) -> None:
@@ -251,6 +294,20 @@ class MNCoreStrategy(SingleDeviceStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch, rest = args[0], args[1:]
         module = self.lightning_module
+        steps = None  # a plain batch, or the number of batches in a group (steps_per_call)
+        if self.steps_per_call > 1:
+            if not isinstance(batch, StepGroup):
+                raise MisconfigurationException(
+                    f"MNCoreStrategy(steps_per_call={self.steps_per_call}) groups the batches "
+                    "of one training DataLoader, but training_step got a "
+                    f"{type(batch).__name__}: use a single training DataLoader, and return "
+                    "the group (a list of batches) unchanged from batch transfer hooks."
+                )
+            batch = list(batch)
+            max_steps = module.trainer.max_steps
+            if max_steps >= 0:  # Lightning stops at max_steps: a group runs no step past it
+                batch = batch[: max(max_steps - module.trainer.global_step, 1)]
+            steps = len(batch)
         self._push_host_edits()  # may re-register a module whose structure changed
         counters = self._counters(rest)
         manual = not module.automatic_optimization
@@ -258,7 +315,7 @@ class MNCoreStrategy(SingleDeviceStrategy):
         update = window == 1 or self._updating
         # One graph per carried-tensor signature and kind of micro-batch (accumulating, or
         # ending a window with the update).
-        key = (self._carried_signature(), window, update)
+        key = (self._carried_signature(), window, update, steps)
         layout, inputs = BatchLayout.of(batch)
         if self._train_hook is not None and self._train_key != key:
             # carried tensors changed structure (None -> a tensor, say), or accumulation
@@ -292,6 +349,7 @@ class MNCoreStrategy(SingleDeviceStrategy):
                 return_gradients=not manual and bool(self._user_hooks.intersection(GRADIENT_HOOKS)),
                 accumulate=None if window == 1 else (window, self._gradient_buffers()),
                 update=update,
+                steps=steps,
                 counters=counters,
             )
             self._train_hooks[key] = self._train_hook
@@ -301,6 +359,7 @@ class MNCoreStrategy(SingleDeviceStrategy):
         self._device_is_newer = True
         self._gradients = self._train_hook.gradients
         self.compiled_calls += 1
+        self.last_call_steps = steps or 1
         return result
 
     @contextlib.contextmanager
@@ -403,6 +462,8 @@ class MNCoreStrategy(SingleDeviceStrategy):
         """The step counters a compiled step reads live (step_counters.py)."""
         trainer = self.lightning_module.trainer
         batch_idx = rest[0] if rest and isinstance(rest[0], int) else 0
+        if trainer.training:  # Lightning counts groups of steps_per_call batches
+            batch_idx *= self.steps_per_call
         return {
             "batch_idx": batch_idx,
             "global_step": trainer.global_step,
@@ -446,8 +507,12 @@ class MNCoreStrategy(SingleDeviceStrategy):
 
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is not None and trainer.training and isinstance(dataloader, DataLoader):
-            return with_drop_last(dataloader)
+        if trainer is None or not trainer.training:
+            return dataloader
+        if isinstance(dataloader, DataLoader):
+            dataloader = with_drop_last(dataloader)
+        if self.steps_per_call > 1:
+            return StepGroups(dataloader, self.steps_per_call)
         return dataloader
 
     # --- host <-> device --------------------------------------------------------------------------
