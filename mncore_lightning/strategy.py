@@ -55,45 +55,27 @@ log = logging.getLogger(__name__)
 _WRAPPED_PRECISIONS = ("bf16-mixed", "bf16-true", "16-mixed")
 
 
-class MNCoreStrategy(SingleDeviceStrategy):
-    """Train and evaluate a LightningModule with compiled static-shape steps on MN-Core.
+class CompiledSteps:
+    """What every MN-Core strategy shares: compiled training and evaluation steps on one
+    device-layer Context, host/device synchronization, guards and re-tracing.
 
-    Args:
-        device: "pfvm:cpu", "pfvm:cuda", "mncore2:auto", "mncore2:N"; default: $MNCORE_DEVICE,
-            else real hardware when MLSDK is installed, else pfvm:cuda when CUDA is available,
-            else pfvm:cpu.
-        preset: compile preset, "debug" or "O0" ... "O4" (default: $MNCORE_PRESET, else O1).
-        codegen_dir: where each compiled step's graph and specs are written (optional).
-        cache_dir: compile cache shared between runs (optional).
-        backend: "mlsdk" or "emulator"; default: the device string decides ("mncore2:*" runs
-            on PFN's MLSDK, "pfvm:*" on the emulator). backend="mlsdk" runs "pfvm:*" on
-            MLSDK's own virtual machine.
-        max_retraces: how often a stage's steps may be traced again because something they
-            were traced for changed (module structure, carried tensors); past it, an error
-            names what keeps changing.
+    A mixin in front of a Lightning strategy class (SingleDeviceStrategy for MNCoreStrategy,
+    DDPStrategy for MNCoreDDPStrategy). Subclasses call `_init_steps` from `__init__` and may
+    override `_gradient_reduction` (how a training graph averages gradients across ranks) and
+    `_train_plan`/`_after_train_call` (a training step split around a host all-reduce).
     """
 
-    strategy_name = "mncore"
-
-    def __init__(
+    def _init_steps(
         self,
-        device: str | None = None,
-        preset: str | None = None,
-        codegen_dir: str | os.PathLike[str] | None = None,
-        cache_dir: str | os.PathLike[str] | None = None,
-        accelerator: Any = None,
-        checkpoint_io: Any = None,
-        precision_plugin: Precision | None = None,
-        backend: str | None = None,
-        max_retraces: int = 8,
+        device: str | None,
+        preset: str | None,
+        codegen_dir: str | os.PathLike[str] | None,
+        cache_dir: str | os.PathLike[str] | None,
+        backend: str | None,
+        max_retraces: int,
     ) -> None:
-        super().__init__(
-            device=torch.device("cpu"),
-            accelerator=accelerator,
-            checkpoint_io=checkpoint_io,
-            # None: the Trainer's precision flag decides, through the setter below
-            precision_plugin=precision_plugin,
-        )
+        self._device_request = device
+        self._backend_request = backend
         self.mncore_device = MNDevice(resolve_device(device))
         self.backend = resolve_backend(self.mncore_device, backend)
         self.preset = resolve_preset(preset)
@@ -546,6 +528,48 @@ class MNCoreStrategy(SingleDeviceStrategy):
             "mncore/compile_seconds": float(sum(h.compiled.compile_seconds for h in hooks)),
             "mncore/retraces": float(self.retraces),
         }
+
+
+class MNCoreStrategy(CompiledSteps, SingleDeviceStrategy):
+    """Train and evaluate a LightningModule with compiled static-shape steps on one MN-Core.
+
+    Args:
+        device: "pfvm:cpu", "pfvm:cuda", "mncore2:auto", "mncore2:N"; default: $MNCORE_DEVICE,
+            else real hardware when MLSDK is installed, else pfvm:cuda when CUDA is available,
+            else pfvm:cpu.
+        preset: compile preset, "debug" or "O0" ... "O4" (default: $MNCORE_PRESET, else O1).
+        codegen_dir: where each compiled step's graph and specs are written (optional).
+        cache_dir: compile cache shared between runs (optional).
+        backend: "mlsdk" or "emulator"; default: the device string decides ("mncore2:*" runs
+            on PFN's MLSDK, "pfvm:*" on the emulator). backend="mlsdk" runs "pfvm:*" on
+            MLSDK's own virtual machine.
+        max_retraces: how often a stage's steps may be traced again because something they
+            were traced for changed (module structure, carried tensors); past it, an error
+            names what keeps changing.
+    """
+
+    strategy_name = "mncore"
+
+    def __init__(
+        self,
+        device: str | None = None,
+        preset: str | None = None,
+        codegen_dir: str | os.PathLike[str] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        accelerator: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Precision | None = None,
+        backend: str | None = None,
+        max_retraces: int = 8,
+    ) -> None:
+        super().__init__(
+            device=torch.device("cpu"),
+            accelerator=accelerator,
+            checkpoint_io=checkpoint_io,
+            # None: the Trainer's precision flag decides, through the setter below
+            precision_plugin=precision_plugin,
+        )
+        self._init_steps(device, preset, codegen_dir, cache_dir, backend, max_retraces)
 
     def __repr__(self) -> str:
         return f"MNCoreStrategy(device={self.mncore_device}, preset={self.preset})"
