@@ -238,9 +238,10 @@ class CompiledSteps:
         manual = not module.automatic_optimization
         window = 1 if manual else module.trainer.accumulate_grad_batches
         update = window == 1 or self._updating
+        accumulating, graph_update = self._train_plan(manual, window, update)
         # One graph per carried-tensor signature and kind of micro-batch (accumulating, or
         # ending a window with the update).
-        key = (self._carried_signature(), window, update)
+        key = (self._carried_signature(), window, graph_update)
         layout, inputs = BatchLayout.of(batch)
         if self._train_hook is not None and self._train_key != key:
             # carried tensors changed structure (None -> a tensor, say), or accumulation
@@ -272,8 +273,9 @@ class CompiledSteps:
                 manual=manual,
                 gradient_clipping=(trainer.gradient_clip_val, trainer.gradient_clip_algorithm),
                 return_gradients=not manual and bool(self._user_hooks.intersection(GRADIENT_HOOKS)),
-                accumulate=None if window == 1 else (window, self._gradient_buffers()),
-                update=update,
+                accumulate=(window, self._gradient_buffers()) if accumulating else None,
+                update=graph_update,
+                reduce_gradients=self._gradient_reduction(),
                 counters=counters,
             )
             self._train_hooks[key] = self._train_hook
@@ -283,7 +285,21 @@ class CompiledSteps:
         self._device_is_newer = True
         self._gradients = self._train_hook.gradients
         self.compiled_calls += 1
+        self._after_train_call(update, counters)
         return result
+
+    def _train_plan(self, manual: bool, window: int, update: bool) -> tuple[bool, bool]:
+        """Whether the training graph accumulates gradients into device buffers, and whether
+        it runs the update; one step of a single device does both in one graph."""
+        return window > 1, update
+
+    def _gradient_reduction(self) -> Any:
+        """What the training graph calls on the gradients before the update (None: nothing;
+        data parallel averages them across ranks)."""
+        return None
+
+    def _after_train_call(self, update: bool, counters: dict[str, int]) -> None:
+        """After each compiled training call (a split step runs its update here)."""
 
     @contextlib.contextmanager
     def updating(self) -> Iterator[None]:

@@ -1,0 +1,142 @@
+"""A user's data-parallel script, run in 2 processes by tests/lightning/test_ddp.py.
+
+    python -m tests.lightning.ddp_script OUT RUN [RUN ...]             (Lightning launches rank 1)
+    python -m torch.distributed.run --nproc_per_node 2 -m tests.lightning.ddp_script OUT RUN ...
+
+Each RUN fits the same model on the same data (2 epochs, a ragged validation set), then
+validates, tests and predicts; every rank saves what it saw to OUT/<run>-rank<r>.pt. Several
+runs share one launch: the imports of a 2-process start cost more than the runs themselves.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from lightning.pytorch.strategies import DDPStrategy
+from torch.utils.data import DataLoader
+
+from mncore_lightning import MNCoreDDPStrategy
+from tests.lightning.lightning_testing import LitClassifier, LossCollector, make_dataset
+
+TRAIN, VAL, BATCH = 64, 26, 4  # 8 batches per rank; validation: 13 per rank, last batch of 1
+
+
+class SyncedClassifier(LitClassifier):
+    """Logs with sync_dist=True: Lightning averages the values over the ranks."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss, sync_dist=True)
+        self.log("train_loss_sum", loss, sync_dist=True, reduce_fx="sum", on_epoch=True)
+        return loss
+
+    def _evaluate(self, batch, stage: str):
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits, y)
+        self.log(f"{stage}_loss", loss, sync_dist=True)
+        self.log(f"{stage}_acc", (logits.argmax(-1) == y).float().mean(), sync_dist=True)
+        return loss
+
+
+def _loaders() -> tuple[DataLoader, DataLoader]:
+    train = DataLoader(make_dataset(TRAIN), batch_size=BATCH, shuffle=True)
+    val = DataLoader(make_dataset(VAL, seed=1), batch_size=BATCH)
+    return train, val
+
+
+RUNS = {
+    # name: (accelerator, strategy factory, model kwargs, trainer overrides)
+    "cpu": ("cpu", lambda: "ddp", {}, {}),
+    "mncore": ("mncore", lambda: "auto", {}, {}),
+    "split": ("mncore", lambda: MNCoreDDPStrategy(split_step=True), {}, {}),
+    "cpu_acc": ("cpu", lambda: "ddp", {"optimizer": "adam", "lr": 0.01}, {"acc": 2}),
+    "mncore_acc": ("mncore", lambda: "mncore_ddp", {"optimizer": "adam", "lr": 0.01}, {"acc": 2}),
+    "split_acc": (
+        "mncore",
+        lambda: MNCoreDDPStrategy(split_step=True),
+        {"optimizer": "adam", "lr": 0.01},
+        {"acc": 2},
+    ),
+    # per-rank BatchNorm statistics: DDP's broadcast_buffers=False
+    "cpu_bn": ("cpu", lambda: DDPStrategy(broadcast_buffers=False), {"net": "bn"}, {}),
+    "mncore_bn": ("mncore", lambda: "auto", {"net": "bn"}, {}),
+}
+
+
+def run(name: str, out: Path) -> None:
+    accelerator, strategy, model_kwargs, options = RUNS[name]
+    L.seed_everything(0, verbose=False)
+    model = SyncedClassifier(**model_kwargs)
+    collector = LossCollector()
+    trainer = L.Trainer(
+        accelerator=accelerator,
+        strategy=strategy(),
+        devices=2,
+        max_epochs=2,
+        accumulate_grad_batches=options.get("acc", 1),
+        callbacks=[collector],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+    )
+    train, val = _loaders()
+    trainer.fit(model, train, val)
+    results = {
+        "world_size": dist.get_world_size(),
+        "strategy": type(trainer.strategy).__name__,
+        "losses": [loss.item() for loss in collector.losses],
+        "epoch_metrics": [{k: v.item() for k, v in m.items()} for m in collector.epoch_metrics],
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "compiled_calls_fit": getattr(trainer.strategy, "compiled_calls", None),
+        "validate": trainer.validate(model, val, verbose=False),
+        "test": trainer.test(model, val, verbose=False),
+        "predict": torch.cat(trainer.predict(model, val)),
+    }
+    if name == "mncore":  # checkpoint after epoch 1, resume to epoch 2: as one 2-epoch fit
+        ckpt = out / "mncore-epoch1.ckpt"
+        L.seed_everything(0, verbose=False)
+        model = SyncedClassifier(**model_kwargs)
+        first = L.Trainer(
+            accelerator="mncore",
+            devices=2,
+            max_epochs=1,
+            logger=False,
+            enable_progress_bar=False,
+            enable_checkpointing=False,
+            num_sanity_val_steps=0,
+        )
+        first.fit(model, *_loaders())
+        first.save_checkpoint(ckpt)  # rank 0 writes; every rank waits for it
+        resumed_model = SyncedClassifier(**model_kwargs)
+        resumed = L.Trainer(
+            accelerator="mncore",
+            devices=2,
+            max_epochs=2,
+            logger=False,
+            enable_progress_bar=False,
+            enable_checkpointing=False,
+            num_sanity_val_steps=0,
+        )
+        resumed.fit(resumed_model, *_loaders(), ckpt_path=ckpt)
+        results["resumed_state"] = resumed_model.state_dict()
+        results["checkpoint_files"] = sorted(p.name for p in out.glob("*.ckpt"))
+    torch.save(results, out / f"{name}-rank{trainer.global_rank}.pt")
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    for name in sys.argv[2:]:
+        run(name, out)
+
+
+if __name__ == "__main__":
+    main()
