@@ -53,7 +53,8 @@ class MNCoreDDPStrategy(CompiledSteps, DDPStrategy):
             (which compiles no collectives), False on the emulator.
         process_group_backend: torch.distributed backend; default: "nccl" for "pfvm:cuda",
             else "gloo".
-        preset, codegen_dir, cache_dir, backend, max_retraces: as MNCoreStrategy's.
+        codegen_dir: as MNCoreStrategy's, one subfolder per rank ("rank0", "rank1", ...).
+        preset, cache_dir, backend, max_retraces: as MNCoreStrategy's.
         parallel_devices, cluster_environment, checkpoint_io, precision_plugin, timeout,
             start_method: as Lightning's DDPStrategy's (set by the Trainer).
     """
@@ -115,6 +116,9 @@ class MNCoreDDPStrategy(CompiledSteps, DDPStrategy):
                 "(the default on MLSDK)."
             )
         super().setup_environment()
+        if self.codegen_dir is not None:  # ranks compile the same steps: one folder each
+            self._codegen_root = getattr(self, "_codegen_root", self.codegen_dir)
+            self.codegen_dir = self._codegen_root / f"rank{self.global_rank}"
 
     def _get_process_group_backend(self) -> str:
         if self._process_group_backend:
@@ -171,6 +175,7 @@ class MNCoreDDPStrategy(CompiledSteps, DDPStrategy):
                 "training_step",
                 (),
                 (counters["batch_idx"],),
+                label="train_update",
                 optimizer=self.optimizers[0],
                 gradient_clipping=(trainer.gradient_clip_val, trainer.gradient_clip_algorithm),
                 accumulate=(trainer.accumulate_grad_batches, buffers),

@@ -407,15 +407,17 @@ class CompiledSteps:
             "current_epoch": trainer.current_epoch,
         }
 
-    def _compile(self, hook_name: str, batch: Any, rest: tuple, **kwargs: Any):
+    def _compile(
+        self, hook_name: str, batch: Any, rest: tuple, label: str | None = None, **kwargs: Any
+    ):
         """Trace and compile one hook. Tracing restores the host tensors it ran on, which
         bumps their versions: host edits are pushed before it, and the versions recorded
-        after it."""
+        after it. Its codegen folder is `label`, else "<stage>_<count>"."""
         codegen_dir = None
         if self.codegen_dir is not None:
             stage = self._stage()
             count = len(self._eval_hooks.get(stage, []))
-            codegen_dir = self.codegen_dir / f"{stage}_{count}"
+            codegen_dir = self.codegen_dir / (label or f"{stage}_{count}")
         try:
             return compile_hook(
                 self.context,

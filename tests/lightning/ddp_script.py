@@ -10,6 +10,7 @@ runs share one launch: the imports of a 2-process start cost more than the runs 
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -67,11 +68,25 @@ RUNS = {
     # per-rank BatchNorm statistics: DDP's broadcast_buffers=False
     "cpu_bn": ("cpu", lambda: DDPStrategy(broadcast_buffers=False), {"net": "bn"}, {}),
     "mncore_bn": ("mncore", lambda: "auto", {"net": "bn"}, {}),
+    # MLSDK (the strict fake, tests/fake_mlsdk): each rank on its own board, split step by default
+    "mlsdk": ("mncore", lambda: MNCoreDDPStrategy(device="mncore2:auto"), {}, {}),
 }
+
+
+def _use_fake_mlsdk() -> None:
+    """Make `import mlsdk` give the fake (as tests/fake_mlsdk/install.py does in-process)."""
+    from tests.fake_mlsdk.install import FAKE_ROOT, PRESET_DIR
+
+    os.environ["PRESET_OPTIONS_DIR"] = str(PRESET_DIR)
+    sys.path.insert(0, str(FAKE_ROOT))
 
 
 def run(name: str, out: Path) -> None:
     accelerator, strategy, model_kwargs, options = RUNS[name]
+    if name == "mncore":  # its graphs are read by the test
+        strategy = lambda: MNCoreDDPStrategy(codegen_dir=out / "codegen")  # noqa: E731
+    if name == "mlsdk":
+        _use_fake_mlsdk()
     L.seed_everything(0, verbose=False)
     model = SyncedClassifier(**model_kwargs)
     collector = LossCollector()
@@ -97,6 +112,8 @@ def run(name: str, out: Path) -> None:
         "epoch_metrics": [{k: v.item() for k, v in m.items()} for m in collector.epoch_metrics],
         "state": {k: v.clone() for k, v in model.state_dict().items()},
         "compiled_calls_fit": getattr(trainer.strategy, "compiled_calls", None),
+        "split_step": getattr(trainer.strategy, "split_step", None),
+        "device": str(getattr(trainer.strategy, "mncore_device", "")),
         "validate": trainer.validate(model, val, verbose=False),
         "test": trainer.test(model, val, verbose=False),
         "predict": torch.cat(trainer.predict(model, val)),
@@ -129,6 +146,10 @@ def run(name: str, out: Path) -> None:
         resumed.fit(resumed_model, *_loaders(), ckpt_path=ckpt)
         results["resumed_state"] = resumed_model.state_dict()
         results["checkpoint_files"] = sorted(p.name for p in out.glob("*.ckpt"))
+    if name == "mlsdk":
+        import mlsdk
+
+        results["mlsdk_calls"] = [call.name for call in mlsdk.call_log]
     torch.save(results, out / f"{name}-rank{trainer.global_rank}.pt")
 
 
