@@ -28,9 +28,10 @@ class MNCoreAccelerator(Accelerator):
         strategy = trainer.strategy
         if not hasattr(strategy, "device_stats"):  # the MN-Core strategies' interface
             raise ValueError(
-                f"accelerator='mncore' needs strategy='mncore' (or MNCoreStrategy(...)), got "
+                f"accelerator='mncore' needs strategy='mncore' or 'mncore_ddp' (MNCoreStrategy, "
+                f"MNCoreDDPStrategy), got "
                 f"{type(strategy).__name__}: MN-Core runs each training step as one compiled "
-                "graph, which only MNCoreStrategy builds."
+                "graph, which only the MN-Core strategies build."
             )
         self._trainer = trainer
 

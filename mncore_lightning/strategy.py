@@ -589,6 +589,19 @@ class MNCoreStrategy(CompiledSteps, SingleDeviceStrategy):
         )
         self._init_steps(device, preset, codegen_dir, cache_dir, backend, max_retraces)
 
+    def setup_environment(self) -> None:
+        """A single-device strategy asked for several devices would silently train on one."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        connector = getattr(trainer, "_accelerator_connector", None)
+        devices = len(getattr(connector, "_parallel_devices", ()) or ())
+        if devices > 1 or (trainer is not None and trainer.num_nodes > 1):
+            raise MisconfigurationException(
+                f"MNCoreStrategy drives one MN-Core device, but the Trainer asked for "
+                f"devices={devices}, num_nodes={trainer.num_nodes}: use strategy='mncore_ddp' "
+                "(or MNCoreDDPStrategy(...), or leave strategy unset) to train data parallel."
+            )
+        super().setup_environment()
+
     def __repr__(self) -> str:
         return f"MNCoreStrategy(device={self.mncore_device}, preset={self.preset})"
 

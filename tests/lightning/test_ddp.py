@@ -10,6 +10,8 @@ sync_dist-reduced metrics, validate/test results over a ragged validation set, p
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -38,10 +40,29 @@ def _launch(command: list[str], out: Path) -> None:
         "PYTHONPATH": str(REPO),
     }
     env.pop("LOCAL_RANK", None)
-    done = subprocess.run(
-        command, cwd=REPO, env=env, capture_output=True, text=True, timeout=540, check=False
+    # a session of its own: on a hang, every rank is stopped with the launcher
+    process = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    try:
+        output, _ = process.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"{' '.join(command)} did not finish in 300 s:\n{output[-6000:]}")
+    assert process.returncode == 0, output[-8000:]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _results(out: Path, run: str) -> list[dict]:
@@ -61,7 +82,7 @@ def torchrun_launch(tmp_path_factory) -> Path:
     """The same script under `torchrun --nproc_per_node 2` (TorchElastic's environment)."""
     out = tmp_path_factory.mktemp("ddp_torchrun")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    command += ["--master_port", "0", "-m", SCRIPT, str(out), *TORCHRUN_RUNS]
+    command += ["--master_port", str(_free_port()), "-m", SCRIPT, str(out), *TORCHRUN_RUNS]
     _launch(command, out)
     return out
 
