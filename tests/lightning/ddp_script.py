@@ -46,6 +46,25 @@ class SyncedClassifier(LitClassifier):
         return loss
 
 
+class ManualClassifier(SyncedClassifier):
+    """Manual optimization: the user's step calls manual_backward and step (DDP averages the
+    gradients in every backward)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+
 def _loaders() -> tuple[DataLoader, DataLoader]:
     train = DataLoader(make_dataset(TRAIN), batch_size=BATCH, shuffle=True)
     val = DataLoader(make_dataset(VAL, seed=1), batch_size=BATCH)
@@ -68,6 +87,8 @@ RUNS = {
     # per-rank BatchNorm statistics: DDP's broadcast_buffers=False
     "cpu_bn": ("cpu", lambda: DDPStrategy(broadcast_buffers=False), {"net": "bn"}, {}),
     "mncore_bn": ("mncore", lambda: "auto", {"net": "bn"}, {}),
+    "cpu_manual": ("cpu", lambda: "ddp", {"manual": True}, {}),
+    "mncore_manual": ("mncore", lambda: "auto", {"manual": True}, {}),
     # MLSDK (the strict fake, tests/fake_mlsdk): each rank on its own board, split step by default
     "mlsdk": ("mncore", lambda: MNCoreDDPStrategy(device="mncore2:auto"), {}, {}),
 }
@@ -83,12 +104,14 @@ def _use_fake_mlsdk() -> None:
 
 def run(name: str, out: Path) -> None:
     accelerator, strategy, model_kwargs, options = RUNS[name]
+    model_kwargs = dict(model_kwargs)
     if name == "mncore":  # its graphs are read by the test
         strategy = lambda: MNCoreDDPStrategy(codegen_dir=out / "codegen")  # noqa: E731
     if name == "mlsdk":
         _use_fake_mlsdk()
     L.seed_everything(0, verbose=False)
-    model = SyncedClassifier(**model_kwargs)
+    model_cls = ManualClassifier if model_kwargs.pop("manual", False) else SyncedClassifier
+    model = model_cls(**model_kwargs)
     collector = LossCollector()
     trainer = L.Trainer(
         accelerator=accelerator,
@@ -153,10 +176,78 @@ def run(name: str, out: Path) -> None:
     torch.save(results, out / f"{name}-rank{trainer.global_rank}.pt")
 
 
+def collectives_o1(out: Path) -> None:
+    """The device layer alone: a step whose gradients are averaged by torch's functional
+    collectives traces into one graph and runs under TorchInductor (O1) as eager DDP-style
+    code does (dist.all_reduce). Needs the process group a previous run left."""
+    import torch.distributed._functional_collectives as funcol
+
+    from mncore_device import Context, MNDevice, set_tensor_name_in_module
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def model_and_optimizer():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+        # no momentum: its buffer is created at the first step (the strategy pre-creates it)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    model, optimizer = model_and_optimizer()
+    set_tensor_name_in_module(model, "model")
+    context = Context(MNDevice("pfvm:cpu"))
+    Context.switch_context(context)
+    for param in model.parameters():
+        context.register_param(param)
+
+    def step(inputs):
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(inputs["x"]), inputs["y"])
+        loss.backward()
+        for param in model.parameters():
+            summed = funcol.wait_tensor(
+                funcol.all_reduce(param.grad / world, "sum", dist.group.WORLD)
+            )
+            param.grad.copy_(summed)
+        optimizer.step()
+        return {"loss": loss.detach()}
+
+    data = make_dataset(32, seed=rank)
+    batches = [
+        {"x": data.tensors[0][i : i + 8], "y": data.tensors[1][i : i + 8]} for i in (0, 8, 16)
+    ]
+    compiled = context.compile(
+        step, batches[0], out / f"collectives-rank{rank}", {"option_json": "O1"}
+    )
+    losses = [compiled(b)["loss"].item() for b in batches]
+    context.synchronize()
+    eager, eager_optimizer = model_and_optimizer()
+    eager_losses = []
+    for b in batches:
+        eager_optimizer.zero_grad()
+        loss = F.cross_entropy(eager(b["x"]), b["y"])
+        loss.backward()
+        for param in eager.parameters():
+            param.grad /= world
+            dist.all_reduce(param.grad)
+        eager_optimizer.step()
+        eager_losses.append(loss.item())
+    results = {
+        "losses": losses,
+        "eager_losses": eager_losses,
+        "state": model.state_dict(),
+        "eager_state": eager.state_dict(),
+        "graph": (out / f"collectives-rank{rank}" / "graph.py").read_text(),
+    }
+    torch.save(results, out / f"collectives_o1-rank{rank}.pt")
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     for name in sys.argv[2:]:
-        run(name, out)
+        if name == "collectives_o1":
+            collectives_o1(out)
+        else:
+            run(name, out)
 
 
 if __name__ == "__main__":

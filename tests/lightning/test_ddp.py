@@ -23,12 +23,12 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from mncore_lightning import MNCoreAccelerator, MNCoreDDPStrategy, MNCoreStrategy
 from mncore_lightning.device_selection import rank_device
-from tests.lightning.lightning_testing import ATOL
+from tests.lightning.lightning_testing import ATOL, loader
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = "tests.lightning.ddp_script"
 LIGHTNING_RUNS = ("cpu", "mncore", "split", "cpu_acc", "mncore_acc", "split_acc", "mlsdk")
-TORCHRUN_RUNS = ("cpu_bn", "mncore_bn")
+TORCHRUN_RUNS = ("cpu_bn", "mncore_bn", "cpu_manual", "mncore_manual", "collectives_o1")
 
 
 def _launch(command: list[str], out: Path) -> None:
@@ -236,3 +236,35 @@ def test_torchrun_launch_matches_cpu_ddp_with_per_rank_batchnorm(torchrun_launch
     running = [key for key in got[0]["state"] if key.endswith("running_mean")]
     assert running
     assert not torch.equal(got[0]["state"][running[0]], got[1]["state"][running[0]])
+
+
+def test_torchrun_launch_matches_cpu_ddp_with_manual_optimization(torchrun_launch):
+    """manual_backward inside the traced step averages the gradients, as DDP's backward."""
+    got = assert_parity(torchrun_launch, "cpu_manual", "mncore_manual")
+    assert [g["compiled_calls_fit"] for g in got] == [24, 24]
+
+
+def test_functional_collectives_trace_and_run_under_inductor(torchrun_launch):
+    """The device layer needs no collective support of its own: torch's functional all-reduce
+    traces into the aten graph and TorchInductor (O1) compiles it with gloo on CPU; 3 steps
+    on 2 ranks match eager code that all-reduces with torch.distributed."""
+    for got in _results(torchrun_launch, "collectives_o1"):
+        assert "_c10d_functional.all_reduce" in got["graph"]
+        _close(got["losses"], got["eager_losses"], "losses")
+        for key, value in got["eager_state"].items():
+            _close(got["state"][key], value, key)
+
+
+def test_split_step_refuses_manual_optimization():
+    """A manual step calls backward and step inside one graph: there is no point to split."""
+    from tests.lightning.ddp_script import ManualClassifier
+
+    trainer = _trainer(
+        accelerator="mncore", strategy=MNCoreDDPStrategy(split_step=True), devices=1, max_steps=1
+    )
+    try:
+        with pytest.raises(MisconfigurationException, match="split_step=False"):
+            trainer.fit(ManualClassifier(), loader())
+    finally:  # a one-process group was set up for the strategy
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

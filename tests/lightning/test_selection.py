@@ -84,7 +84,10 @@ def test_other_strategy_with_mncore_accelerator_raises(strategy):
     # Checked by MNCoreAccelerator.setup, the public hook every strategy calls at fit.
     trainer = _trainer(accelerator="mncore", strategy=strategy, max_epochs=1)
     try:
-        with pytest.raises(ValueError, match=r"needs strategy='mncore' or 'mncore_ddp'.*only the MN-Core strategies"):
+        with pytest.raises(
+            ValueError,
+            match=r"needs strategy='mncore' or 'mncore_ddp'.*only the MN-Core strategies",
+        ):
             trainer.fit(LitClassifier(), loader())
     finally:  # "ddp" set up a one-process group before the accelerator's setup refused it
         if torch.distributed.is_initialized():
