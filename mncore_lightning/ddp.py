@@ -128,6 +128,15 @@ class MNCoreDDPStrategy(CompiledSteps, DDPStrategy):
     def configure_ddp(self) -> None:
         """No DistributedDataParallel wrapper (the compiled step averages the gradients); as
         its constructor does, every rank starts from rank 0's parameters and buffers."""
+        for name, module in self.model.named_modules():
+            if isinstance(module, torch.nn.SyncBatchNorm):
+                raise MisconfigurationException(
+                    f"{name or 'the model'} is a SyncBatchNorm (Trainer(sync_batchnorm=True) or "
+                    "convert_sync_batchnorm), which MNCoreDDPStrategy does not support: its "
+                    "collectives are not functional ones the compiled step can hold. Use "
+                    "BatchNorm: its statistics then stay per rank, as DDP's with "
+                    "broadcast_buffers=False."
+                )
         _sync_module_states(self.model)
 
     def _register_state(self) -> None:

@@ -268,3 +268,15 @@ def test_split_step_refuses_manual_optimization():
     finally:  # a one-process group was set up for the strategy
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def test_sync_batchnorm_is_refused():
+    from tests.lightning.lightning_testing import LitClassifier
+
+    trainer = _trainer(accelerator="mncore", strategy="mncore_ddp", devices=1, sync_batchnorm=True)
+    try:
+        with pytest.raises(MisconfigurationException, match="SyncBatchNorm"):
+            trainer.fit(LitClassifier(net="bn"), loader())
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
