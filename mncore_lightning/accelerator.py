@@ -57,6 +57,11 @@ class MNCoreAccelerator(Accelerator):
         if isinstance(devices, str) and devices.strip().isdigit():
             devices = int(devices)
         if isinstance(devices, (list, tuple)) and devices:
+            if list(devices) != list(range(len(devices))):
+                raise ValueError(
+                    f"accelerator='mncore' got devices={devices!r}: local rank r drives device "
+                    f"r, so a list must be [0, 1, ..., N-1]; pass devices={len(devices)}."
+                )
             return len(devices)
         if isinstance(devices, int) and not isinstance(devices, bool) and devices >= 1:
             return devices

@@ -156,7 +156,7 @@ def test_one_device_keeps_the_single_device_strategy():
     assert type(_trainer(accelerator="mncore", devices=1).strategy) is MNCoreStrategy
 
 
-@pytest.mark.parametrize("devices", [0, -1, "x", [], True])
+@pytest.mark.parametrize("devices", [0, -1, "x", [], True, [1, 3]])
 def test_bad_device_counts_are_refused(devices):
     with pytest.raises((ValueError, MisconfigurationException), match="devices"):
         _trainer(accelerator="mncore", devices=devices)
