@@ -280,3 +280,18 @@ def test_sync_batchnorm_is_refused():
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def test_mlsdk_refuses_collectives_inside_the_graph(monkeypatch):
+    from tests.fake_mlsdk import install as fake
+    from tests.lightning.lightning_testing import LitClassifier
+
+    with fake.installed(monkeypatch):
+        strategy = MNCoreDDPStrategy(device="mncore2:auto", split_step=False)
+        trainer = _trainer(accelerator="mncore", strategy=strategy, devices=1, max_steps=1)
+        try:
+            with pytest.raises(MisconfigurationException, match="split_step=True"):
+                trainer.fit(LitClassifier(), loader())
+        finally:
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
