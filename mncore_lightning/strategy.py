@@ -1,5 +1,8 @@
 """`MNCoreStrategy`: every training batch is ONE compiled call on the MN-Core device.
 
+The machinery is the `CompiledSteps` mixin, shared with the data-parallel MNCoreDDPStrategy
+(ddp.py); MNCoreStrategy puts it on Lightning's SingleDeviceStrategy.
+
 At setup the strategy converts the optimizers in place to ones the device runs, names and
 registers the module's parameters and buffers and the optimizers' state with a device-layer
 Context. The first training batch compiles zero_grad + training_step + backward + clipping +

@@ -295,3 +295,29 @@ def test_mlsdk_refuses_collectives_inside_the_graph(monkeypatch):
         finally:
             if torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()
+
+
+def test_slurm_task_is_a_rank_through_lightnings_environment(monkeypatch):
+    """Under `srun` (a SLURM task per device), Lightning's SLURMEnvironment gives the ranks:
+    this process is task 1 of 2 on one node, so local rank 1 and its own device."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    for key, value in {
+        "SLURM_NTASKS": "2",
+        "SLURM_NTASKS_PER_NODE": "2",
+        "SLURM_NNODES": "1",
+        "SLURM_NODEID": "0",
+        "SLURM_PROCID": "1",
+        "SLURM_LOCALID": "1",
+        "SLURM_NODELIST": "node1",
+        "SLURM_JOB_NAME": "train",
+        "SLURM_JOB_ID": "7",
+    }.items():
+        monkeypatch.setenv(key, value)
+    trainer = _trainer(accelerator="mncore", devices=2)
+    strategy = trainer.strategy
+    assert isinstance(strategy, MNCoreDDPStrategy)
+    assert isinstance(strategy.cluster_environment, SLURMEnvironment)
+    assert strategy.cluster_environment.creates_processes_externally  # srun started the ranks
+    assert (strategy.local_rank, strategy.global_rank, trainer.world_size) == (1, 1, 2)
+    assert rank_device("mncore2:auto", strategy.local_rank) == "mncore2:1"
