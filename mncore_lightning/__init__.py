@@ -9,6 +9,7 @@ from mncore_device import add_library_dirs
 
 from . import lightning_patch, standalone
 from .accelerator import MNCoreAccelerator
+from .ddp import MNCoreDDPStrategy
 from .optimizers import MNCoreAdam, MNCoreAdamW, MNCoreSGD
 from .precision import MNCorePrecision
 from .strategy import MNCoreStrategy
@@ -24,6 +25,7 @@ __all__ = [
     "MNCoreAccelerator",
     "MNCoreAdam",
     "MNCoreAdamW",
+    "MNCoreDDPStrategy",
     "MNCorePrecision",
     "MNCoreSGD",
     "MNCoreStrategy",

@@ -2,7 +2,7 @@
 
 The LightningModule stays in host memory; device memory is managed by `MNCoreStrategy`
 through a device-layer Context. So the accelerator's own work is small: it describes the
-(single) MN-Core device and reports its statistics, read from the trainer's strategy.
+MN-Core devices and reports its statistics, read from the trainer's strategy.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing_extensions import override
 
 
 class MNCoreAccelerator(Accelerator):
-    """One MN-Core 2 device (real, or emulated on CPU/CUDA)."""
+    """MN-Core 2 devices (real, or emulated on CPU/CUDA); several run data parallel."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -28,9 +28,10 @@ class MNCoreAccelerator(Accelerator):
         strategy = trainer.strategy
         if not hasattr(strategy, "device_stats"):  # the MN-Core strategies' interface
             raise ValueError(
-                f"accelerator='mncore' needs strategy='mncore' (or MNCoreStrategy(...)), got "
+                f"accelerator='mncore' needs strategy='mncore' or 'mncore_ddp' (MNCoreStrategy, "
+                f"MNCoreDDPStrategy), got "
                 f"{type(strategy).__name__}: MN-Core runs each training step as one compiled "
-                "graph, which only MNCoreStrategy builds."
+                "graph, which only the MN-Core strategies build."
             )
         self._trainer = trainer
 
@@ -50,19 +51,31 @@ class MNCoreAccelerator(Accelerator):
     @override
     @staticmethod
     def parse_devices(devices: Any) -> int:
-        if devices in ("auto", None, 1, "1", [0], (0,)):
+        """How many MN-Core devices (one process each): an int, "N", or a list of indices."""
+        if devices in ("auto", None):
             return 1
+        if isinstance(devices, str) and devices.strip().isdigit():
+            devices = int(devices)
+        if isinstance(devices, (list, tuple)) and devices:
+            if list(devices) != list(range(len(devices))):
+                raise ValueError(
+                    f"accelerator='mncore' got devices={devices!r}: local rank r drives device "
+                    f"r, so a list must be [0, 1, ..., N-1]; pass devices={len(devices)}."
+                )
+            return len(devices)
+        if isinstance(devices, int) and not isinstance(devices, bool) and devices >= 1:
+            return devices
         raise ValueError(
-            f"MNCoreAccelerator drives one MN-Core device; got devices={devices!r}. "
-            "Use devices=1 (or leave it as 'auto')."
+            f"accelerator='mncore' got devices={devices!r}: use a number of MN-Core devices "
+            "(devices=2 runs one process per device, data parallel), a list of indices, or 'auto'."
         )
 
     @override
     @staticmethod
     def get_parallel_devices(devices: Any) -> list[torch.device]:
         # The Trainer's root device is the host: the model and batches live there, and the
-        # strategy moves them into MN-Core memory.
-        return [torch.device("cpu")]
+        # strategy moves them into MN-Core memory. One entry per device (per process).
+        return [torch.device("cpu")] * MNCoreAccelerator.parse_devices(devices)
 
     @override
     @staticmethod

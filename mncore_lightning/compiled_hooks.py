@@ -356,6 +356,8 @@ def compile_hook(
     manual: bool = False,
     accumulate: tuple[int, dict[torch.Tensor, torch.Tensor]] | None = None,
     update: bool = True,
+    forward: bool = True,
+    reduce_gradients: Callable[[list[torch.Tensor]], None] | None = None,
     steps: int | None = None,
     counters: Mapping[str, int],
     options: Mapping[str, Any],
@@ -370,10 +372,14 @@ def compile_hook(
     registered tensor per parameter, device state between micro-batches), and the update runs
     only when `update` (the graph that ends an accumulation window, zeroing them). With
     `return_gradients`, it also returns each parameter's gradient as backward left it (before
-    clipping, as Lightning's gradient hooks see it). With `steps`, `batch` is a list of that
-    many batches and the graph holds that many training steps, one after the other, each
-    with its own batch, counters and logged values (MNCoreStrategy(steps_per_call=...)).
-    Returns the hook and the inputs of this batch.
+    clipping, as Lightning's gradient hooks see it). `reduce_gradients` is called inside the
+    traced step on the gradients backward left (in place), before the update and before any
+    other use of them: data parallel averages them across ranks there. With `forward=False`
+    the graph is the update alone, on the gradients accumulated in `buffers` (a step split
+    around a host all-reduce). With `steps`, `batch` is a list of that many batches and the
+    graph holds that many training steps, one after the other, each with its own batch,
+    counters and logged values (MNCoreStrategy(steps_per_call=...)). Returns the hook and
+    the inputs of this batch.
     """
     layout, inputs = BatchLayout.of(batch)
     recorder = LogRecorder(_static_batch_size(batch if steps is None else batch[0]))
@@ -433,7 +439,7 @@ def compile_hook(
             recording_logs(module, recorder),
             effects.recording(),
             recording_host_calls(module, recorder),
-            precision.tracing_manual_step(),
+            precision.tracing_manual_step(after_backward=reduce_gradients),
         ):
             output = hook(batch, *args)
         return {
@@ -449,12 +455,17 @@ def compile_hook(
         else:
             for param, buffer in accumulate[1].items():
                 param.grad = buffer
-        with recording_logs(module, recorder), effects.recording():
-            output = hook(batch, *args)
-        loss = _loss_of(output)
-        loss = loss if accumulate is None else loss / accumulate[0]
         scaler = precision.scaler if not manual else None
-        module.backward(scaler.scale(loss) if scaler is not None else loss)
+        output = None
+        if forward:
+            with recording_logs(module, recorder), effects.recording():
+                output = hook(batch, *args)
+            loss = _loss_of(output)
+            loss = loss if accumulate is None else loss / accumulate[0]
+            module.backward(scaler.scale(loss) if scaler is not None else loss)
+        if reduce_gradients is not None and update:
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            reduce_gradients([p.grad for p in params if p.grad is not None])
         found_inf = _unscale(optimizer, scaler) if scaler is not None and update else None
         gradients = {}
         if return_gradients:  # copies: clipping and the update change the grads in place

@@ -34,3 +34,14 @@ def resolve_device(device: str | None) -> str:
 def resolve_preset(preset: str | None) -> str:
     """The compile preset: explicit argument > $MNCORE_PRESET > mncore_device.DEFAULT_PRESET."""
     return preset or os.environ.get(PRESET_ENV) or DEFAULT_PRESET
+
+
+def rank_device(device: str, local_rank: int) -> str:
+    """The device of one data-parallel rank: "pfvm:cuda" and "mncore2:auto" become the rank's
+    own ("pfvm:cuda:<local_rank>", "mncore2:<local_rank>"); "pfvm:cpu" is shared by all
+    ranks; a numbered device is used as given (the user placed the rank)."""
+    if device == "pfvm:cuda":
+        return f"pfvm:cuda:{local_rank}"
+    if device == "mncore2:auto":
+        return f"mncore2:{local_rank}"
+    return device

@@ -1,4 +1,5 @@
-"""The one change this package makes inside Lightning: `accelerator="mncore"` picks MNCoreStrategy.
+"""The one change this package makes inside Lightning: `accelerator="mncore"` picks MNCoreStrategy
+(MNCoreDDPStrategy for several devices or nodes).
 
 Lightning gives an accelerator it does not know a CPU SingleDeviceStrategy
 (`_AcceleratorConnector._choose_strategy`) and has no public hook for this choice, so that one
@@ -16,6 +17,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 
 from .accelerator import MNCoreAccelerator
+from .ddp import MNCoreDDPStrategy
 from .strategy import MNCoreStrategy
 
 _PATCHED = "__mncore_patched__"
@@ -25,6 +27,7 @@ def install() -> None:
     """Register "mncore" and wrap the connector's strategy choice (idempotent)."""
     MNCoreAccelerator.register_accelerators(AcceleratorRegistry)
     MNCoreStrategy.register_strategies(StrategyRegistry)
+    MNCoreDDPStrategy.register_strategies(StrategyRegistry)
     if getattr(_AcceleratorConnector, _PATCHED, False):
         return
     choose_strategy = _AcceleratorConnector._choose_strategy
@@ -32,6 +35,8 @@ def install() -> None:
     def _choose_strategy(self: _AcceleratorConnector) -> Any:
         flag = self._accelerator_flag
         if flag == "mncore" or isinstance(flag, MNCoreAccelerator):
+            if self._num_nodes_flag > 1 or len(self._parallel_devices) > 1:
+                return MNCoreDDPStrategy()
             return MNCoreStrategy()
         return choose_strategy(self)
 

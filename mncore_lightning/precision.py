@@ -31,6 +31,7 @@ class MNCorePrecision(Precision):
 
     precision = "32-true"
     _manual_trace = False  # a manual-optimization step is being traced
+    _after_backward: Callable[[list[Any]], None] | None = None  # data parallel: average grads
 
     def __init__(self, inner: Precision | None = None) -> None:
         super().__init__()
@@ -67,19 +68,26 @@ class MNCorePrecision(Precision):
             self.inner.load_state_dict(state_dict)
 
     @contextlib.contextmanager
-    def tracing_manual_step(self) -> Iterator[None]:
+    def tracing_manual_step(
+        self, after_backward: Callable[[list[Any]], None] | None = None
+    ) -> Iterator[None]:
         """While a manual step is traced, `manual_backward` and `opt.step()` run (into the
-        graph) as they would eagerly."""
-        previous, self._manual_trace = self._manual_trace, True
+        graph) as they would eagerly; `after_backward` gets the gradients after each backward
+        (data parallel averages them there, as DDP does in every backward)."""
+        previous = self._manual_trace, self._after_backward
+        self._manual_trace, self._after_backward = True, after_backward
         try:
             yield
         finally:
-            self._manual_trace = previous
+            self._manual_trace, self._after_backward = previous
 
     def backward(self, tensor: Any, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:
         """The gradients were computed inside the compiled step: hand them to the params."""
         if self._manual_trace:
             tensor.backward(*args, **kwargs)
+            if self._after_backward is not None:
+                grads = [p.grad for p in model.parameters() if p.grad is not None]
+                self._after_backward(grads)
             return
         model.trainer.strategy.install_gradients()
 

@@ -29,6 +29,7 @@ _MIRRORED = (
     "host_sync",
     "compiled_hooks",
     "strategy",
+    "ddp",
     "lightning_patch",
 )
 # Free of Lightning: the same modules serve both packages.
@@ -107,6 +108,7 @@ def install() -> types.ModuleType | None:
     package.MNCoreAccelerator = package.accelerator.MNCoreAccelerator
     package.MNCorePrecision = package.precision.MNCorePrecision
     package.MNCoreStrategy = package.strategy.MNCoreStrategy
+    package.MNCoreDDPStrategy = package.ddp.MNCoreDDPStrategy
     package.lightning_patch.install()
     sys.modules["mncore_lightning"].pl = package
     return package

@@ -1,6 +1,9 @@
 """`MNCoreStrategy`: every training batch (or group of `steps_per_call` batches) is ONE
 compiled call on the MN-Core device.
 
+The machinery is the `CompiledSteps` mixin, shared with the data-parallel MNCoreDDPStrategy
+(ddp.py); MNCoreStrategy puts it on Lightning's SingleDeviceStrategy.
+
 At setup the strategy converts the optimizers in place to ones the device runs, names and
 registers the module's parameters and buffers and the optimizers' state with a device-layer
 Context. The first training batch compiles zero_grad + training_step + backward + clipping +
@@ -56,65 +59,32 @@ log = logging.getLogger(__name__)
 _WRAPPED_PRECISIONS = ("bf16-mixed", "bf16-true", "16-mixed")
 
 
-class MNCoreStrategy(SingleDeviceStrategy):
-    """Train and evaluate a LightningModule with compiled static-shape steps on MN-Core.
+class CompiledSteps:
+    """What every MN-Core strategy shares: compiled training and evaluation steps on one
+    device-layer Context, host/device synchronization, guards and re-tracing.
 
-    Args:
-        device: "pfvm:cpu", "pfvm:cuda", "mncore2:auto", "mncore2:N"; default: $MNCORE_DEVICE,
-            else real hardware when MLSDK is installed, else pfvm:cuda when CUDA is available,
-            else pfvm:cpu.
-        preset: compile preset, "debug" or "O0" ... "O4" (default: $MNCORE_PRESET, else O1).
-        codegen_dir: where each compiled step's graph and specs are written (optional).
-        cache_dir: compile cache shared between runs (optional).
-        backend: "mlsdk" or "emulator"; default: the device string decides ("mncore2:*" runs
-            on PFN's MLSDK, "pfvm:*" on the emulator). backend="mlsdk" runs "pfvm:*" on
-            MLSDK's own virtual machine.
-        max_retraces: how often a stage's steps may be traced again because something they
-            were traced for changed (module structure, carried tensors); past it, an error
-            names what keeps changing.
-        steps_per_call: training batches run by one device call (default 1). With K > 1,
-            the training DataLoader's batches are grouped K at a time and each group runs as
-            one compiled graph holding K whole training steps (as Keras' steps_per_execution),
-            which spreads the per-call cost of Lightning's loop and of the strategy over K
-            steps. Lightning then sees one batch per group: `batch_idx`, batch-level hooks
-            (which get the list of the group's batches), `limit_train_batches`,
-            `val_check_interval` and `log_every_n_steps` count groups; per-step `self.log`
-            values arrive K at a time (epoch aggregates are exact, a logger's step-level
-            series gets the group's last value), `trainer.global_step` counts every
-            optimizer step and training_step's returned loss is the group's last. An epoch
-            whose batch count is not a multiple of K ends with one shorter group (a second
-            graph), and a group that would run past `max_steps` is cut there. Supported
-            with automatic optimization, without gradient accumulation, step-interval LR
-            schedulers, gradient hooks, metrics updated in training_step or tensors carried
-            between steps; each of those raises a clear error.
+    A mixin in front of a Lightning strategy class (SingleDeviceStrategy for MNCoreStrategy,
+    DDPStrategy for MNCoreDDPStrategy). Subclasses call `_init_steps` from `__init__` and may
+    override `_gradient_reduction` (how a training graph averages gradients across ranks) and
+    `_train_plan`/`_after_train_call` (a training step split around a host all-reduce).
     """
 
-    strategy_name = "mncore"
-
-    def __init__(
+    def _init_steps(
         self,
-        device: str | None = None,
-        preset: str | None = None,
-        codegen_dir: str | os.PathLike[str] | None = None,
-        cache_dir: str | os.PathLike[str] | None = None,
-        accelerator: Any = None,
-        checkpoint_io: Any = None,
-        precision_plugin: Precision | None = None,
-        backend: str | None = None,
-        max_retraces: int = 8,
+        device: str | None,
+        preset: str | None,
+        codegen_dir: str | os.PathLike[str] | None,
+        cache_dir: str | os.PathLike[str] | None,
+        backend: str | None,
+        max_retraces: int,
         steps_per_call: int = 1,
     ) -> None:
         if isinstance(steps_per_call, bool) or not isinstance(steps_per_call, int):
             raise TypeError(f"steps_per_call must be an int, got {steps_per_call!r}")
         if steps_per_call < 1:
             raise ValueError(f"steps_per_call must be at least 1, got {steps_per_call}")
-        super().__init__(
-            device=torch.device("cpu"),
-            accelerator=accelerator,
-            checkpoint_io=checkpoint_io,
-            # None: the Trainer's precision flag decides, through the setter below
-            precision_plugin=precision_plugin,
-        )
+        self._device_request = device
+        self._backend_request = backend
         self.mncore_device = MNDevice(resolve_device(device))
         self.backend = resolve_backend(self.mncore_device, backend)
         self.preset = resolve_preset(preset)
@@ -208,8 +178,8 @@ class MNCoreStrategy(SingleDeviceStrategy):
             refused = "a gradient hook (on_after_backward, on_before_optimizer_step)"
         if refused:
             raise MisconfigurationException(
-                f"MNCoreStrategy(steps_per_call={k}) runs {k} training steps in one device "
-                f"call and does not support {refused}; use steps_per_call=1."
+                f"{type(self).__name__}(steps_per_call={k}) runs {k} training steps in one "
+                f"device call and does not support {refused}; use steps_per_call=1."
             )
 
     @override
@@ -313,9 +283,10 @@ class MNCoreStrategy(SingleDeviceStrategy):
         manual = not module.automatic_optimization
         window = 1 if manual else module.trainer.accumulate_grad_batches
         update = window == 1 or self._updating
+        accumulating, graph_update = self._train_plan(manual, window, update)
         # One graph per carried-tensor signature and kind of micro-batch (accumulating, or
         # ending a window with the update).
-        key = (self._carried_signature(), window, update, steps)
+        key = (self._carried_signature(), window, graph_update, steps)
         layout, inputs = BatchLayout.of(batch)
         if self._train_hook is not None and self._train_key != key:
             # carried tensors changed structure (None -> a tensor, say), or accumulation
@@ -347,8 +318,9 @@ class MNCoreStrategy(SingleDeviceStrategy):
                 manual=manual,
                 gradient_clipping=(trainer.gradient_clip_val, trainer.gradient_clip_algorithm),
                 return_gradients=not manual and bool(self._user_hooks.intersection(GRADIENT_HOOKS)),
-                accumulate=None if window == 1 else (window, self._gradient_buffers()),
-                update=update,
+                accumulate=(window, self._gradient_buffers()) if accumulating else None,
+                update=graph_update,
+                reduce_gradients=self._gradient_reduction(),
                 steps=steps,
                 counters=counters,
             )
@@ -360,7 +332,21 @@ class MNCoreStrategy(SingleDeviceStrategy):
         self._gradients = self._train_hook.gradients
         self.compiled_calls += 1
         self.last_call_steps = steps or 1
+        self._after_train_call(update, counters)
         return result
+
+    def _train_plan(self, manual: bool, window: int, update: bool) -> tuple[bool, bool]:
+        """Whether the training graph accumulates gradients into device buffers, and whether
+        it runs the update; one step of a single device does both in one graph."""
+        return window > 1, update
+
+    def _gradient_reduction(self) -> Any:
+        """What the training graph calls on the gradients before the update (None: nothing;
+        data parallel averages them across ranks)."""
+        return None
+
+    def _after_train_call(self, update: bool, counters: dict[str, int]) -> None:
+        """After each compiled training call (a split step runs its update here)."""
 
     @contextlib.contextmanager
     def updating(self) -> Iterator[None]:
@@ -470,15 +456,17 @@ class MNCoreStrategy(SingleDeviceStrategy):
             "current_epoch": trainer.current_epoch,
         }
 
-    def _compile(self, hook_name: str, batch: Any, rest: tuple, **kwargs: Any):
+    def _compile(
+        self, hook_name: str, batch: Any, rest: tuple, label: str | None = None, **kwargs: Any
+    ):
         """Trace and compile one hook. Tracing restores the host tensors it ran on, which
         bumps their versions: host edits are pushed before it, and the versions recorded
-        after it."""
+        after it. Its codegen folder is `label`, else "<stage>_<count>"."""
         codegen_dir = None
         if self.codegen_dir is not None:
             stage = self._stage()
             count = len(self._eval_hooks.get(stage, []))
-            codegen_dir = self.codegen_dir / f"{stage}_{count}"
+            codegen_dir = self.codegen_dir / (label or f"{stage}_{count}")
         try:
             return compile_hook(
                 self.context,
@@ -611,6 +599,79 @@ class MNCoreStrategy(SingleDeviceStrategy):
             "mncore/compile_seconds": float(sum(h.compiled.compile_seconds for h in hooks)),
             "mncore/retraces": float(self.retraces),
         }
+
+
+class MNCoreStrategy(CompiledSteps, SingleDeviceStrategy):
+    """Train and evaluate a LightningModule with compiled static-shape steps on one MN-Core.
+
+    Args:
+        device: "pfvm:cpu", "pfvm:cuda", "mncore2:auto", "mncore2:N"; default: $MNCORE_DEVICE,
+            else real hardware when MLSDK is installed, else pfvm:cuda when CUDA is available,
+            else pfvm:cpu.
+        preset: compile preset, "debug" or "O0" ... "O4" (default: $MNCORE_PRESET, else O1).
+        codegen_dir: where each compiled step's graph and specs are written (optional).
+        cache_dir: compile cache shared between runs (optional).
+        backend: "mlsdk" or "emulator"; default: the device string decides ("mncore2:*" runs
+            on PFN's MLSDK, "pfvm:*" on the emulator). backend="mlsdk" runs "pfvm:*" on
+            MLSDK's own virtual machine.
+        max_retraces: how often a stage's steps may be traced again because something they
+            were traced for changed (module structure, carried tensors); past it, an error
+            names what keeps changing.
+        steps_per_call: training batches run by one device call (default 1). With K > 1,
+            the training DataLoader's batches are grouped K at a time and each group runs as
+            one compiled graph holding K whole training steps (as Keras' steps_per_execution),
+            which spreads the per-call cost of Lightning's loop and of the strategy over K
+            steps. Lightning then sees one batch per group: `batch_idx`, batch-level hooks
+            (which get the list of the group's batches), `limit_train_batches`,
+            `val_check_interval` and `log_every_n_steps` count groups; per-step `self.log`
+            values arrive K at a time (epoch aggregates are exact, a logger's step-level
+            series gets the group's last value), `trainer.global_step` counts every
+            optimizer step and training_step's returned loss is the group's last. An epoch
+            whose batch count is not a multiple of K ends with one shorter group (a second
+            graph), and a group that would run past `max_steps` is cut there. Supported
+            with automatic optimization, without gradient accumulation, step-interval LR
+            schedulers, gradient hooks, metrics updated in training_step or tensors carried
+            between steps; each of those raises a clear error.
+    """
+
+    strategy_name = "mncore"
+
+    def __init__(
+        self,
+        device: str | None = None,
+        preset: str | None = None,
+        codegen_dir: str | os.PathLike[str] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        accelerator: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Precision | None = None,
+        backend: str | None = None,
+        max_retraces: int = 8,
+        steps_per_call: int = 1,
+    ) -> None:
+        super().__init__(
+            device=torch.device("cpu"),
+            accelerator=accelerator,
+            checkpoint_io=checkpoint_io,
+            # None: the Trainer's precision flag decides, through the setter below
+            precision_plugin=precision_plugin,
+        )
+        self._init_steps(
+            device, preset, codegen_dir, cache_dir, backend, max_retraces, steps_per_call
+        )
+
+    def setup_environment(self) -> None:
+        """A single-device strategy asked for several devices would silently train on one."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        connector = getattr(trainer, "_accelerator_connector", None)
+        devices = len(getattr(connector, "_parallel_devices", ()) or ())
+        if devices > 1 or (trainer is not None and trainer.num_nodes > 1):
+            raise MisconfigurationException(
+                f"MNCoreStrategy drives one MN-Core device, but the Trainer asked for "
+                f"devices={devices}, num_nodes={trainer.num_nodes}: use strategy='mncore_ddp' "
+                "(or MNCoreDDPStrategy(...), or leave strategy unset) to train data parallel."
+            )
+        super().setup_environment()
 
     def __repr__(self) -> str:
         return f"MNCoreStrategy(device={self.mncore_device}, preset={self.preset})"

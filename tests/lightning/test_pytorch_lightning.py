@@ -68,3 +68,9 @@ def test_pl_trainer_accelerator_mncore_matches_pl_cpu():
 def test_pl_trainer_refuses_a_foreign_pairing_as_lightning_does():
     with pytest.raises(ValueError, match="MNCoreStrategy needs accelerator='mncore'"):
         pl.Trainer(accelerator="cpu", strategy=mncore_lightning.pl.MNCoreStrategy(), logger=False)
+
+
+def test_pl_trainer_several_devices_pick_pls_ddp_strategy():
+    trainer = pl.Trainer(accelerator="mncore", devices=2, logger=False)
+    assert isinstance(trainer.strategy, mncore_lightning.pl.MNCoreDDPStrategy)
+    assert isinstance(trainer.strategy, pl.strategies.DDPStrategy)  # pl's own class tree

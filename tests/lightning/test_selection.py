@@ -84,7 +84,10 @@ def test_other_strategy_with_mncore_accelerator_raises(strategy):
     # Checked by MNCoreAccelerator.setup, the public hook every strategy calls at fit.
     trainer = _trainer(accelerator="mncore", strategy=strategy, max_epochs=1)
     try:
-        with pytest.raises(ValueError, match=r"needs strategy='mncore'.*only MNCoreStrategy"):
+        with pytest.raises(
+            ValueError,
+            match=r"needs strategy='mncore' or 'mncore_ddp'.*only the MN-Core strategies",
+        ):
             trainer.fit(LitClassifier(), loader())
     finally:  # "ddp" set up a one-process group before the accelerator's setup refused it
         if torch.distributed.is_initialized():
@@ -97,9 +100,12 @@ def test_mncore_strategy_with_other_accelerator_raises(accelerator):
         _trainer(accelerator=accelerator, strategy=MNCoreStrategy())
 
 
-def test_mncore_accelerator_drives_one_device():
-    with pytest.raises(ValueError, match="one MN-Core device"):
-        _trainer(accelerator="mncore", devices=2)
+def test_single_device_strategy_refuses_several_devices():
+    """devices=2 picks MNCoreDDPStrategy (test_ddp.py); the single-device strategy asked for
+    two would silently train on one, so it refuses."""
+    trainer = _trainer(accelerator="mncore", strategy=MNCoreStrategy(), devices=2, max_steps=1)
+    with pytest.raises(MisconfigurationException, match="strategy='mncore_ddp'"):
+        trainer.fit(LitClassifier(), loader())
 
 
 # --- device and preset choice ---------------------------------------------------------------

@@ -1,0 +1,246 @@
+"""`MNCoreDDPStrategy`: data parallel over several MN-Core devices and hosts, on torch.distributed.
+
+Each rank (a process: Lightning re-runs the script for the other local ranks, or torchrun / SLURM
+start them) drives its own device and runs the compiled steps of `CompiledSteps`. Everything
+between ranks is Lightning's DDPStrategy: the launcher, the cluster environments, the process
+group, DistributedSampler, `reduce`/`all_gather`/`barrier`/`broadcast` (so `sync_dist` and
+rank-zero checkpointing behave as with `strategy="ddp"`). The module is not wrapped in
+DistributedDataParallel; gradients are averaged in one of two ways:
+
+* in the graph (the emulator's default): the traced training step all-reduces the gradients
+  with torch's functional collectives between backward and the update, so every batch stays
+  ONE compiled call;
+* split (`split_step=True`, MLSDK's default, since MLSDK compiles no collectives): a compiled
+  forward+backward leaves the gradients in device buffers, the host all-reduces them over
+  torch.distributed, and a compiled update applies them.
+
+Buffers (BatchNorm's running statistics) stay per rank, as DDP with `broadcast_buffers=False`;
+a checkpoint holds rank 0's.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.distributed.constants import default_pg_timeout
+
+from mncore_device import Backend, MNDevice, resolve_backend
+
+from .compiled_hooks import CompiledHook
+from .device_selection import rank_device, resolve_device
+from .strategy import CompiledSteps
+
+
+class MNCoreDDPStrategy(CompiledSteps, DDPStrategy):
+    """Data parallel training on several MN-Core devices, one process per device.
+
+    Args:
+        device: as MNCoreStrategy's; "pfvm:cuda" and "mncore2:auto" become each rank's own
+            device ("pfvm:cuda:<local_rank>", "mncore2:<local_rank>"); "pfvm:cpu" is shared.
+        split_step: average gradients on the host between a compiled forward+backward and a
+            compiled update, instead of inside the one compiled step. Default: True on MLSDK
+            (which compiles no collectives), False on the emulator.
+        process_group_backend: torch.distributed backend; default: "nccl" for "pfvm:cuda",
+            else "gloo".
+        codegen_dir: as MNCoreStrategy's, one subfolder per rank ("rank0", "rank1", ...).
+        preset, cache_dir, backend, max_retraces: as MNCoreStrategy's.
+        parallel_devices, cluster_environment, checkpoint_io, precision_plugin, timeout,
+            start_method: as Lightning's DDPStrategy's (set by the Trainer).
+    """
+
+    strategy_name = "mncore_ddp"
+
+    def __init__(
+        self,
+        device: str | None = None,
+        preset: str | None = None,
+        codegen_dir: str | os.PathLike[str] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Precision | None = None,
+        backend: str | None = None,
+        max_retraces: int = 8,
+        split_step: bool | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: str = "popen",
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self._init_steps(device, preset, codegen_dir, cache_dir, backend, max_retraces)
+        self._split_request = split_step
+        self._update_hook: CompiledHook | None = None
+        self.allreduce_seconds = 0.0  # host all-reduce time of the split step (benchmarks)
+
+    @property
+    def split_step(self) -> bool:
+        """Whether gradients are averaged on the host between two compiled calls."""
+        if self._split_request is None:
+            return self.backend is Backend.MLSDK
+        return self._split_request
+
+    # --- ranks and devices -------------------------------------------------------------------
+
+    def setup_environment(self) -> None:
+        """Each rank drives its own device; then Lightning's DDP sets up the process group."""
+        self.mncore_device = MNDevice(
+            rank_device(resolve_device(self._device_request), self.local_rank)
+        )
+        self.backend = resolve_backend(self.mncore_device, self._backend_request)
+        if self.backend is Backend.MLSDK and self._split_request is False:
+            raise MisconfigurationException(
+                "MNCoreDDPStrategy(split_step=False) averages gradients inside the compiled "
+                "step with collectives, which MLSDK does not compile; use split_step=True "
+                "(the default on MLSDK)."
+            )
+        super().setup_environment()
+        if self.codegen_dir is not None:  # ranks compile the same steps: one folder each
+            self._codegen_root = getattr(self, "_codegen_root", self.codegen_dir)
+            self.codegen_dir = self._codegen_root / f"rank{self.global_rank}"
+
+    def _get_process_group_backend(self) -> str:
+        if self._process_group_backend:
+            return self._process_group_backend
+        return "nccl" if self.mncore_device.torch_device.type == "cuda" else "gloo"
+
+    def configure_ddp(self) -> None:
+        """No DistributedDataParallel wrapper (the compiled step averages the gradients); as
+        its constructor does, every rank starts from rank 0's parameters and buffers."""
+        for name, module in self.model.named_modules():
+            if isinstance(module, torch.nn.SyncBatchNorm):
+                raise MisconfigurationException(
+                    f"{name or 'the model'} is a SyncBatchNorm (Trainer(sync_batchnorm=True) or "
+                    "convert_sync_batchnorm), which MNCoreDDPStrategy does not support: its "
+                    "collectives are not functional ones the compiled step can hold. Use "
+                    "BatchNorm: its statistics then stay per rank, as DDP's with "
+                    "broadcast_buffers=False."
+                )
+        _sync_module_states(self.model)
+
+    def _register_state(self) -> None:
+        super()._register_state()
+        self._update_hook = None
+
+    # --- gradient averaging --------------------------------------------------------------------
+
+    def _gradient_reduction(self) -> Callable[[list[torch.Tensor]], None] | None:
+        if self.split_step or self.world_size == 1:
+            return None
+        return _TracedAllReduce(self.world_size)
+
+    def _train_plan(self, manual: bool, window: int, update: bool) -> tuple[bool, bool]:
+        if not self.split_step:
+            return super()._train_plan(manual, window, update)
+        if manual:
+            raise MisconfigurationException(
+                "MNCoreDDPStrategy(split_step=True) splits an automatic-optimization step around "
+                "the host all-reduce; a manual-optimization step calls backward and step itself "
+                "inside one graph. Use split_step=False (the emulator's default) or automatic "
+                "optimization."
+            )
+        return True, False  # forward+backward into the gradient buffers; the update follows
+
+    def _after_train_call(self, update: bool, counters: dict[str, int]) -> None:
+        """Split step: at the end of an accumulation window, average the device's gradient
+        buffers over torch.distributed on the host, then run the compiled update."""
+        if not self.split_step or not update:
+            return
+        buffers = self._gradient_buffers()
+        tensors = list(buffers.values())
+        start = time.perf_counter()
+        self.context.synchronize(tensors)
+        _host_all_reduce_mean(tensors, self.world_size)
+        self.context.load_from_host(tensors)
+        self._host_versions.record()
+        self.allreduce_seconds += time.perf_counter() - start
+        if self._gradients:  # gradient hooks see the averaged gradients, as under DDP
+            self._gradients = [(p, b.detach().clone(), 0) for p, b in buffers.items()]
+        if self._update_hook is None:
+            module = self.lightning_module
+            trainer = module.trainer
+            self._update_hook, _ = self._compile(
+                "training_step",
+                (),
+                (counters["batch_idx"],),
+                label="train_update",
+                optimizer=self.optimizers[0],
+                gradient_clipping=(trainer.gradient_clip_val, trainer.gradient_clip_algorithm),
+                accumulate=(trainer.accumulate_grad_batches, buffers),
+                update=True,
+                forward=False,
+                counters=counters,
+            )
+        self._update_hook(self.lightning_module, {}, counters)
+        self.compiled_calls += 1
+
+    def __repr__(self) -> str:
+        return (
+            f"MNCoreDDPStrategy(device={self.mncore_device}, preset={self.preset}, "
+            f"split_step={self.split_step})"
+        )
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(
+                cls.strategy_name,
+                cls,
+                description="data parallel MN-Core: one compiled step per batch and rank",
+            )
+
+
+class _TracedAllReduce:
+    """Average gradients across ranks inside a traced step: one functional all-reduce per
+    dtype over the flattened gradients (DDP's buckets, in one), divided by the world size
+    before summing, as DDP's reducer does. Traces into `_c10d_functional` aten ops."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+
+    def __call__(self, grads: list[torch.Tensor]) -> None:
+        group = dist.group.WORLD
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for grad in grads:
+            by_dtype.setdefault(grad.dtype, []).append(grad)
+        with torch.no_grad():
+            for same in by_dtype.values():
+                flat = torch.cat([g.reshape(-1) for g in same]) / self.world_size
+                summed = funcol.wait_tensor(funcol.all_reduce(flat, "sum", group))
+                for grad, part in zip(same, summed.split([g.numel() for g in same]), strict=True):
+                    grad.copy_(part.view_as(grad))
+
+
+def _host_all_reduce_mean(tensors: list[torch.Tensor], world_size: int) -> None:
+    """The split step's all-reduce, on host tensors: the same flattening and order of
+    division as the traced one, so both paths give the same averages."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    with torch.no_grad():
+        for same in by_dtype.values():
+            flat = torch.cat([t.reshape(-1) for t in same]) / world_size
+            dist.all_reduce(flat)
+            for tensor, part in zip(same, flat.split([t.numel() for t in same]), strict=True):
+                tensor.copy_(part.view_as(tensor))

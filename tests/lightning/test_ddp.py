@@ -1,0 +1,323 @@
+"""Trainer(accelerator="mncore", devices=2): data parallel over torch.distributed (gloo, 2 ranks).
+
+The 2-process runs are one user script (tests/lightning/ddp_script.py) launched twice: by
+Lightning itself (it re-runs the script for rank 1) and by torchrun. Each rank saves what it
+saw; these tests compare accelerator="mncore" with accelerator="cpu", strategy="ddp" rank by
+rank within ATOL (1e-5): per-step losses, final weights (and BatchNorm buffers), logged and
+sync_dist-reduced metrics, validate/test results over a ragged validation set, predictions.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from mncore_lightning import MNCoreAccelerator, MNCoreDDPStrategy, MNCoreStrategy
+from mncore_lightning.device_selection import rank_device
+from tests.lightning.lightning_testing import ATOL, loader
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = "tests.lightning.ddp_script"
+LIGHTNING_RUNS = ("cpu", "mncore", "split", "cpu_acc", "mncore_acc", "split_acc", "mlsdk")
+TORCHRUN_RUNS = ("cpu_bn", "mncore_bn", "cpu_manual", "mncore_manual", "collectives_o1")
+
+
+def _launch(command: list[str], out: Path) -> None:
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",  # one thread per rank on a 2-core machine
+        "MNCORE_PRESET": "O0",
+        "MNCORE_DEVICE": "pfvm:cpu",
+        "PYTHONPATH": str(REPO),
+    }
+    env.pop("LOCAL_RANK", None)
+    # a session of its own: on a hang, every rank is stopped with the launcher
+    process = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"{' '.join(command)} did not finish in 300 s:\n{output[-6000:]}")
+    assert process.returncode == 0, output[-8000:]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _results(out: Path, run: str) -> list[dict]:
+    return [torch.load(out / f"{run}-rank{r}.pt", weights_only=False) for r in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def lightning_launch(tmp_path_factory) -> Path:
+    """The script started once, as a user would: Lightning starts rank 1 itself."""
+    out = tmp_path_factory.mktemp("ddp_lightning")
+    _launch([sys.executable, "-m", SCRIPT, str(out), *LIGHTNING_RUNS], out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def torchrun_launch(tmp_path_factory) -> Path:
+    """The same script under `torchrun --nproc_per_node 2` (TorchElastic's environment)."""
+    out = tmp_path_factory.mktemp("ddp_torchrun")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    command += ["--master_port", str(_free_port()), "-m", SCRIPT, str(out), *TORCHRUN_RUNS]
+    _launch(command, out)
+    return out
+
+
+def _close(a, b, what: str) -> None:
+    torch.testing.assert_close(
+        torch.as_tensor(a, dtype=torch.float32),
+        torch.as_tensor(b, dtype=torch.float32),
+        atol=ATOL,
+        rtol=0,
+        msg=what,
+    )
+
+
+def assert_parity(out: Path, reference: str, run: str) -> list[dict]:
+    """`run` matches `reference` on both ranks: losses, weights, metrics, evaluation."""
+    refs, gots = _results(out, reference), _results(out, run)
+    for rank, (ref, got) in enumerate(zip(refs, gots, strict=True)):
+        assert got["world_size"] == 2 and got["strategy"] == "MNCoreDDPStrategy"
+        assert len(got["losses"]) == len(ref["losses"]) == 16  # 2 epochs x 8 batches per rank
+        _close(got["losses"], ref["losses"], f"rank {rank} losses")
+        assert ref["state"].keys() == got["state"].keys()
+        for key in ref["state"]:
+            _close(got["state"][key], ref["state"][key], f"rank {rank} {key}")
+        for epoch, (m_ref, m_got) in enumerate(
+            zip(ref["epoch_metrics"], got["epoch_metrics"], strict=True)
+        ):
+            assert m_ref.keys() == m_got.keys()
+            for key in m_ref:
+                _close(m_got[key], m_ref[key], f"rank {rank} epoch {epoch} {key}")
+        for stage in ("validate", "test"):
+            assert ref[stage][0].keys() == got[stage][0].keys()
+            for key, value in ref[stage][0].items():
+                _close(got[stage][0][key], value, f"rank {rank} {stage} {key}")
+        _close(got["predict"], ref["predict"], f"rank {rank} predictions")
+    # the ranks trained on different halves of the data, and agree on the weights
+    assert gots[0]["losses"] != gots[1]["losses"]
+    for key, value in gots[0]["state"].items():
+        if "running" not in key and "num_batches" not in key:  # BatchNorm's stay per rank
+            _close(gots[1]["state"][key], value, f"weights agree across ranks: {key}")
+    return gots
+
+
+# --- selection ------------------------------------------------------------------------------
+
+
+def _trainer(**kwargs) -> L.Trainer:
+    return L.Trainer(logger=False, enable_progress_bar=False, enable_checkpointing=False, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"devices": 2},
+        {"devices": "2"},
+        {"devices": [0, 1]},
+        {"devices": 1, "num_nodes": 2},
+        {"devices": 2, "strategy": "mncore_ddp"},
+    ],
+)
+def test_several_devices_pick_the_ddp_strategy(kwargs):
+    trainer = _trainer(accelerator="mncore", **kwargs)
+    assert isinstance(trainer.strategy, MNCoreDDPStrategy)
+    assert isinstance(trainer.accelerator, MNCoreAccelerator)
+    assert trainer.world_size == 2
+    assert trainer.num_nodes == kwargs.get("num_nodes", 1)
+    assert trainer.strategy.split_step is False  # the emulator averages inside the graph
+
+
+def test_one_device_keeps_the_single_device_strategy():
+    assert type(_trainer(accelerator="mncore", devices=1).strategy) is MNCoreStrategy
+
+
+@pytest.mark.parametrize("devices", [0, -1, "x", [], True, [1, 3]])
+def test_bad_device_counts_are_refused(devices):
+    with pytest.raises((ValueError, MisconfigurationException), match="devices"):
+        _trainer(accelerator="mncore", devices=devices)
+
+
+def test_each_rank_gets_its_own_device():
+    assert rank_device("pfvm:cuda", 1) == "pfvm:cuda:1"
+    assert rank_device("mncore2:auto", 3) == "mncore2:3"
+    assert rank_device("pfvm:cpu", 1) == "pfvm:cpu"
+    assert rank_device("mncore2:5", 1) == "mncore2:5"  # placed by the user
+
+
+def test_split_step_is_a_strategy_flag():
+    assert MNCoreDDPStrategy(split_step=True).split_step is True
+    assert "split_step=True" in repr(MNCoreDDPStrategy(split_step=True))
+
+
+# --- launched by Lightning ------------------------------------------------------------------
+
+
+def test_lightning_launch_matches_cpu_ddp(lightning_launch):
+    """In-graph all-reduce: the same results as DDP, and one compiled call per batch."""
+    got = assert_parity(lightning_launch, "cpu", "mncore")
+    # fit: 16 training batches + 2 epochs x 4 validation batches, each ONE compiled call
+    assert [g["compiled_calls_fit"] for g in got] == [24, 24]
+    assert [g["split_step"] for g in got] == [False, False]
+
+
+def test_gradient_all_reduce_is_inside_the_training_graph(lightning_launch):
+    for rank in (0, 1):
+        graph = (lightning_launch / "codegen" / f"rank{rank}" / "train_0" / "graph.py").read_text()
+        assert "_c10d_functional.all_reduce" in graph
+        assert "_c10d_functional.wait_tensor" in graph
+        validation = lightning_launch / "codegen" / f"rank{rank}" / "validate_0" / "graph.py"
+        assert "_c10d_functional" not in validation.read_text()
+
+
+def test_split_step_matches_cpu_ddp(lightning_launch):
+    """Compiled forward+backward, host all-reduce, compiled update: the same results."""
+    got = assert_parity(lightning_launch, "cpu", "split")
+    assert [g["split_step"] for g in got] == [True, True]
+    # two compiled calls per training batch (forward+backward, update) + 8 validation calls
+    assert [g["compiled_calls_fit"] for g in got] == [40, 40]
+
+
+def test_accumulation_matches_cpu_ddp(lightning_launch):
+    """accumulate_grad_batches=2 with Adam: gradients averaged once per window, both paths."""
+    assert_parity(lightning_launch, "cpu_acc", "mncore_acc")
+    got = assert_parity(lightning_launch, "cpu_acc", "split_acc")
+    assert [g["compiled_calls_fit"] for g in got] == [32, 32]  # 16 + 8 updates + 8 validation
+
+
+def test_mlsdk_splits_the_step_on_each_ranks_board(lightning_launch):
+    """On (the strict fake) MLSDK each rank drives its own board and the step is split."""
+    got = assert_parity(lightning_launch, "cpu", "mlsdk")
+    assert [g["device"] for g in got] == ["mncore2:0", "mncore2:1"]
+    assert [g["split_step"] for g in got] == [True, True]
+    for g in got:
+        assert "Context.compile" in g["mlsdk_calls"]
+        assert "Context.synchronize" in g["mlsdk_calls"]  # gradients to the host all-reduce
+
+
+def test_checkpoint_resume_matches_one_fit(lightning_launch):
+    """Rank 0 writes the checkpoint after every rank synchronized; both ranks resume from it."""
+    for got in _results(lightning_launch, "mncore"):
+        assert got["checkpoint_files"] == ["mncore-epoch1.ckpt"]
+        for key, value in got["state"].items():
+            _close(got["resumed_state"][key], value, f"resumed {key}")
+
+
+# --- launched by torchrun -------------------------------------------------------------------
+
+
+def test_torchrun_launch_matches_cpu_ddp_with_per_rank_batchnorm(torchrun_launch):
+    """BatchNorm statistics stay per rank, as DDP's with broadcast_buffers=False."""
+    got = assert_parity(torchrun_launch, "cpu_bn", "mncore_bn")
+    running = [key for key in got[0]["state"] if key.endswith("running_mean")]
+    assert running
+    assert not torch.equal(got[0]["state"][running[0]], got[1]["state"][running[0]])
+
+
+def test_torchrun_launch_matches_cpu_ddp_with_manual_optimization(torchrun_launch):
+    """manual_backward inside the traced step averages the gradients, as DDP's backward."""
+    got = assert_parity(torchrun_launch, "cpu_manual", "mncore_manual")
+    assert [g["compiled_calls_fit"] for g in got] == [24, 24]
+
+
+def test_functional_collectives_trace_and_run_under_inductor(torchrun_launch):
+    """The device layer needs no collective support of its own: torch's functional all-reduce
+    traces into the aten graph and TorchInductor (O1) compiles it with gloo on CPU; 3 steps
+    on 2 ranks match eager code that all-reduces with torch.distributed."""
+    for got in _results(torchrun_launch, "collectives_o1"):
+        assert "_c10d_functional.all_reduce" in got["graph"]
+        _close(got["losses"], got["eager_losses"], "losses")
+        for key, value in got["eager_state"].items():
+            _close(got["state"][key], value, key)
+
+
+def test_split_step_refuses_manual_optimization():
+    """A manual step calls backward and step inside one graph: there is no point to split."""
+    from tests.lightning.ddp_script import ManualClassifier
+
+    trainer = _trainer(
+        accelerator="mncore", strategy=MNCoreDDPStrategy(split_step=True), devices=1, max_steps=1
+    )
+    try:
+        with pytest.raises(MisconfigurationException, match="split_step=False"):
+            trainer.fit(ManualClassifier(), loader())
+    finally:  # a one-process group was set up for the strategy
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def test_sync_batchnorm_is_refused():
+    from tests.lightning.lightning_testing import LitClassifier
+
+    trainer = _trainer(accelerator="mncore", strategy="mncore_ddp", devices=1, sync_batchnorm=True)
+    try:
+        with pytest.raises(MisconfigurationException, match="SyncBatchNorm"):
+            trainer.fit(LitClassifier(net="bn"), loader())
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def test_mlsdk_refuses_collectives_inside_the_graph(monkeypatch):
+    from tests.fake_mlsdk import install as fake
+    from tests.lightning.lightning_testing import LitClassifier
+
+    with fake.installed(monkeypatch):
+        strategy = MNCoreDDPStrategy(device="mncore2:auto", split_step=False)
+        trainer = _trainer(accelerator="mncore", strategy=strategy, devices=1, max_steps=1)
+        try:
+            with pytest.raises(MisconfigurationException, match="split_step=True"):
+                trainer.fit(LitClassifier(), loader())
+        finally:
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+
+
+def test_slurm_task_is_a_rank_through_lightnings_environment(monkeypatch):
+    """Under `srun` (a SLURM task per device), Lightning's SLURMEnvironment gives the ranks:
+    this process is task 1 of 2 on one node, so local rank 1 and its own device."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    for key, value in {
+        "SLURM_NTASKS": "2",
+        "SLURM_NTASKS_PER_NODE": "2",
+        "SLURM_NNODES": "1",
+        "SLURM_NODEID": "0",
+        "SLURM_PROCID": "1",
+        "SLURM_LOCALID": "1",
+        "SLURM_NODELIST": "node1",
+        "SLURM_JOB_NAME": "train",
+        "SLURM_JOB_ID": "7",
+    }.items():
+        monkeypatch.setenv(key, value)
+    trainer = _trainer(accelerator="mncore", devices=2)
+    strategy = trainer.strategy
+    assert isinstance(strategy, MNCoreDDPStrategy)
+    assert isinstance(strategy.cluster_environment, SLURMEnvironment)
+    assert strategy.cluster_environment.creates_processes_externally  # srun started the ranks
+    assert (strategy.local_rank, strategy.global_rank, trainer.world_size) == (1, 1, 2)
+    assert rank_device("mncore2:auto", strategy.local_rank) == "mncore2:1"
