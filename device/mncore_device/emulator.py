@@ -233,6 +233,7 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
             example_args,
             cache_options.path if cache_options is not None else None,
             compile_threads,
+            traced.mutated_state,
         )
         if cache_options is not None:
             artifacts.cache_record(cache_options, key)

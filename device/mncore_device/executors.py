@@ -14,12 +14,20 @@ from pathlib import Path
 
 import torch
 import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from ._source import user_frame_from_stack_trace
 from .errors import NonFiniteError
 from .inductor_keys import apply_remembered_source_keys
 from .presets import Preset
+from .tracing import _is_view_of
 
+try:  # Inductor leaves an mm marked so out of its mm + add -> addmm fusion
+    from torch._higher_order_ops.flex_gemm import _PRESERVE_FLEX_GEMM_GEMM_OP as _PRESERVE_GEMM
+except ImportError:  # another torch: the fusion stays (slower, same results)
+    _PRESERVE_GEMM = None
+
+aten = torch.ops.aten
 Executor = Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]]
 
 
@@ -30,16 +38,22 @@ def build_executor(
     example_args: Sequence[torch.Tensor],
     cache_dir: Path | None = None,
     compile_threads: int | None = None,
+    mutated_inputs: Sequence[int] = (),
 ) -> Executor:
     """Make `gm` runnable on `device` under `preset` (compiling now, not on the first call).
 
-    compile_threads: worker threads for Inductor's compile (MLSDK's num_compiler_threads)."""
+    compile_threads: worker threads for Inductor's compile (MLSDK's num_compiler_threads).
+    mutated_inputs: the graph's last outputs are the new values of these inputs (state), in
+    this order. The executor returns them as the graph does; Inductor writes them into the
+    inputs' own memory and returns those inputs (see `_updating_state_in_place`)."""
     _retarget_devices(gm, device)
     if preset.executor == "interpreter":
         if preset.check_finite:
             return lambda args: _FiniteCheckingInterpreter(gm).run(*args)
         return lambda args: gm(*args)
-    return _compile_with_inductor(gm, preset, example_args, cache_dir, compile_threads)
+    return _compile_with_inductor(
+        gm, preset, example_args, cache_dir, compile_threads, list(mutated_inputs)
+    )
 
 
 def _retarget_devices(gm: fx.GraphModule, device: torch.device) -> None:
@@ -58,6 +72,7 @@ def _compile_with_inductor(
     example_args: Sequence[torch.Tensor],
     cache_dir,
     compile_threads: int | None = None,
+    mutated_inputs: list[int] | None = None,
 ) -> Executor:
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
@@ -68,11 +83,96 @@ def _compile_with_inductor(
         options["compile_threads"] = int(compile_threads)
     if example_args and example_args[0].device.type != "cuda":
         options.pop("triton.cudagraphs", None)
+    options["post_grad_custom_pre_pass"] = _MatmulsApartFromFullSizeAdds()
     _scale_before_adding(gm)
+    mutated = mutated_inputs or []
+    in_place = _updating_state_in_place(gm, mutated) if mutated else gm
     with _inductor_cache_dir(cache_dir), _static_shape_env(example_args) as fake_args:
         apply_remembered_source_keys()
-        compiled = compile_fx(gm, fake_args, config_patches=options)
-    return lambda args: compiled(*args)
+        compiled = compile_fx(in_place, fake_args, config_patches=options)
+    if not mutated:
+        return lambda args: compiled(*args)
+
+    def run(args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        outputs = compiled(*args)
+        return [*outputs, *(args[i] for i in mutated)]
+
+    return run
+
+
+def _updating_state_in_place(gm: fx.GraphModule, mutated: Sequence[int]) -> fx.GraphModule:
+    """A copy of the functional step graph that writes the new value of each state input in
+    `mutated` into that input (`aten.copy_`) instead of returning it.
+
+    The step graph returns new state as fresh tensors: each call would allocate, fill and
+    free a new buffer per weight and momentum (hundreds of MB a step for AlexNet's or VGG's
+    classifier), where eager's optimizer updates in place. TorchInductor turns a copy into a
+    graph input into a kernel that stores into the input's memory (its fused update kernel
+    writes the weight where it lies), as it does for a compiled in-place optimizer step.
+
+    Only the executor sees this copy; the traced graph, the one that codegen dirs save, stays
+    functional. Reads of the old values happen before the copies at the end of the graph;
+    a result that would be the old value of updated state (an output, or another state's new
+    value) is cloned before the copies, so the graph computes exactly what the functional one
+    does."""
+    graph = fx.Graph()
+    values: dict[fx.Node, fx.Node] = {}
+    results = list(graph.graph_copy(gm.graph, values))
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    n_outputs = len(results) - len(mutated)
+    old_state = {placeholders[i] for i in mutated}
+    for node in graph.nodes:
+        if node.op == "call_function" and _is_view_of(node, old_state):
+            old_state.add(node)
+    for i, value in enumerate(results):
+        if value in old_state:
+            results[i] = graph.call_function(aten.clone.default, (value,))
+            results[i].meta.update(value.meta)
+    for index, value in zip(mutated, results[n_outputs:], strict=True):
+        graph.call_function(aten.copy_.default, (placeholders[index], value))
+    graph.output(tuple(results[:n_outputs]))
+    return fx.GraphModule(gm, graph)
+
+
+class _MatmulsApartFromFullSizeAdds(CustomGraphPass):
+    """Keep `mm(a, b) + x` as a matmul and a pointwise add when `x` has the result's full shape.
+
+    TorchInductor fuses every `add(mm, x)` into `addmm(x, a, b)`, which is good for a bias
+    (a broadcast row). For a full-size `x` its addmm first copies `x` into a new buffer and
+    then accumulates the product into it. In a training step that `x` is the momentum term of
+    a weight's update (`momentum * buf + grad`): for a large weight that is two extra passes
+    over weight-sized memory and a fresh weight-sized buffer each step, and the add can no
+    longer join the fused update kernel that reads the gradient once. Left apart, the add
+    fuses with the rest of the update (and rounds the same: one add either way)."""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        if _PRESERVE_GEMM is None:
+            return
+        for node in graph.nodes:
+            if node.op != "call_function" or node.target is not aten.add.Tensor:
+                continue
+            if len(node.args) != 2 or node.kwargs:
+                continue
+            for matmul, other in (node.args, node.args[::-1]):
+                if _is_node(matmul, aten.mm.default) and _has_full_shape(other, node):
+                    matmul.meta[_PRESERVE_GEMM] = True
+
+    def uuid(self) -> str:
+        return f"mncore_device.matmuls_apart_from_full_size_adds.1.{_PRESERVE_GEMM is not None}"
+
+
+def _is_node(value: object, target: object) -> bool:
+    return isinstance(value, fx.Node) and value.op == "call_function" and value.target is target
+
+
+def _has_full_shape(value: object, result: fx.Node) -> bool:
+    """`value` is a tensor of `result`'s shape with no broadcast (zero-stride) dimension."""
+    if not isinstance(value, fx.Node):
+        return False
+    tensor, full = value.meta.get("val"), result.meta.get("val")
+    if not (isinstance(tensor, torch.Tensor) and isinstance(full, torch.Tensor)):
+        return False
+    return tensor.shape == full.shape and 0 not in tensor.stride()
 
 
 def _scale_before_adding(gm: fx.GraphModule) -> None:
@@ -82,7 +182,6 @@ def _scale_before_adding(gm: fx.GraphModule) -> None:
     (a weight-decay update on a matmul's gradient): the result is off by far more than
     rounding. The same math with the scaling as its own op compiles correctly.
     """
-    aten = torch.ops.aten
     changed = False
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in (aten.add.Tensor, aten.sub.Tensor):
