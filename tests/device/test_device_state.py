@@ -305,3 +305,74 @@ def test_editing_a_returned_tensor_in_place_never_changes_device_state(context, 
     assert_state_close(model, reference)
     weights = compiled(batches[0])["weight"]
     assert torch.equal(weights, context.get_registered_value_proxy(model.weight).cpu())
+
+
+# --- Inductor presets update device state in place ------------------------------------------
+
+
+def test_o1_trains_in_the_device_memory_it_registered(context):
+    """At O1 a step writes the new weights and momentum into the device tensors themselves
+    (no new buffers per step), trains as eager does, leaves the host and earlier `.cpu()`
+    snapshots alone until synchronize, and keeps working after `load_from` swaps in a new
+    device value (a checkpoint pushed mid-run)."""
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    reference = twin(model)
+    optimizer = make_sgd(model.parameters(), 0.1, 0.9)
+    register(context, model, optimizer)
+    initial = clone_state(model)
+    batches = classification_batches(4, 8, 6, 3)
+    step = training_step(model, optimizer, cross_entropy)
+    compiled = context.compile(step, batches[0], options={"option_json": "O1"})
+    memory = [v.data_ptr() for v in context.device_values()]
+    snapshot = context.get_registered_value_proxy(model[0].weight).cpu()
+
+    losses = device_train(compiled, batches[:2])
+    assert [v.data_ptr() for v in context.device_values()] == memory
+    assert torch.equal(snapshot, initial["0.weight"])
+    assert all(torch.equal(v, initial[k]) for k, v in model.state_dict().items())
+
+    reference_optimizer = make_sgd(reference.parameters(), 0.1, 0.9)
+    expected = eager_train(reference, reference_optimizer, cross_entropy, batches[:2])
+    with torch.no_grad():  # a checkpoint edit on both sides, pushed to the device
+        model[2].bias.fill_(0.5)
+        reference[2].bias.fill_(0.5)
+    context.get_registered_value_proxy(model[2].bias).load_from(model[2].bias)
+    losses += device_train(compiled, batches[2:])
+    expected += eager_train(reference, reference_optimizer, cross_entropy, batches[2:])
+    context.synchronize()
+    torch.testing.assert_close(losses, expected, rtol=0, atol=1e-5)
+    assert_state_close(model, reference, atol=1e-5)
+
+
+class _TwoBuffers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("a", torch.arange(3.0))
+        self.register_buffer("b", torch.arange(3.0) + 10)
+
+
+@pytest.mark.parametrize("preset", ["O0", "O1"])
+def test_state_whose_new_value_is_another_states_old_value(context, preset):
+    """Two buffers swapped each step (one's new value is the other's old one): updating them
+    in place must not let one update overwrite a value the other still needs."""
+    module = _TwoBuffers()
+    reference = twin(module)
+    register(context, module)
+
+    def swap(m):
+        def step(batch):
+            old_a = m.a.clone()
+            m.a.copy_(m.b)
+            m.b.copy_(old_a + batch["x"])
+            return {"a": m.a * 1, "old_a": old_a}
+
+        return step
+
+    sample = {"x": torch.ones(3)}
+    compiled = context.compile(swap(module), sample, options={"option_json": preset})
+    eager = swap(reference)
+    for _ in range(3):
+        got, want = compiled(sample), eager(sample)
+        assert all(torch.equal(got[k], want[k]) for k in want)
+    context.synchronize()
+    assert torch.equal(module.a, reference.a) and torch.equal(module.b, reference.b)
