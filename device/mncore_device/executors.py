@@ -111,10 +111,11 @@ def _updating_state_in_place(gm: fx.GraphModule, mutated: Sequence[int]) -> fx.G
     writes the weight where it lies), as it does for a compiled in-place optimizer step.
 
     Only the executor sees this copy; the traced graph, the one that codegen dirs save, stays
-    functional. Reads of the old values happen before the copies at the end of the graph;
-    a result that would be the old value of updated state (an output, or another state's new
-    value) is cloned before the copies, so the graph computes exactly what the functional one
-    does."""
+    functional. Every read of an old value comes before the copies at the end of the graph.
+    Functionalization gives every new value and output its own tensor, so none should be the
+    old value of updated state itself; should a graph pass make one so (an output, or one
+    state's new value being another's old one), it is cloned before the copies, so the graph
+    still computes exactly what the functional one does."""
     graph = fx.Graph()
     values: dict[fx.Node, fx.Node] = {}
     results = list(graph.graph_copy(gm.graph, values))
@@ -143,7 +144,8 @@ class _MatmulsApartFromFullSizeAdds(CustomGraphPass):
     a weight's update (`momentum * buf + grad`): for a large weight that is two extra passes
     over weight-sized memory and a fresh weight-sized buffer each step, and the add can no
     longer join the fused update kernel that reads the gradient once. Left apart, the add
-    fuses with the rest of the update (and rounds the same: one add either way)."""
+    fuses with the rest of the update, and it rounds as eager does (the product, then the
+    add). Inductor's own GPU heuristic already unfuses a bias add feeding pointwise ops."""
 
     def __call__(self, graph: fx.Graph) -> None:
         if _PRESERVE_GEMM is None:
