@@ -6,7 +6,7 @@ and momentum as a fresh tensor, and Inductor fuses `momentum * buf + grad` into 
 and "in_place" as it is now (new state written into the device tensors, matmuls kept apart
 from full-size adds). Eager and both compiled steps are then timed interleaved, in rounds of
 `--steps` steps; medians. Diagnosis only: it switches the executor's behaviour through
-internals (`emulator.build_executor`, `executors._PRESERVE_GEMM`).
+internals (`emulator.build_executor`, `executors._KEEP_MATMULS_APART`).
 
     python benchmarks/bench_in_place.py [--models alexnet vgg11_bn resnet18 vit_small mlp bn_mlp]
         [--rounds 5 --threads 1 --out benchmarks/results/in_place.json]
@@ -57,13 +57,13 @@ def measure(name: str, steps: int, rounds: int) -> dict:
     model, batch = model_and_batch(name)
     reference = copy.deepcopy(model)
     runners = {"eager": bench_zoo.make_step(reference, bench_zoo.make_sgd(reference.parameters()))}
-    build, preserve = emulator.build_executor, executors._PRESERVE_GEMM
+    build = emulator.build_executor
     compile_seconds = {}
     for variant in ("out_of_place", "in_place"):
         before = variant == "out_of_place"
         # out of place: no mutated_inputs, so the graph returns new state; no unfusing pass
         emulator.build_executor = (lambda *a, **k: build(*a[:6])) if before else build
-        executors._PRESERVE_GEMM = None if before else preserve
+        executors._KEEP_MATMULS_APART = not before
         twin = copy.deepcopy(model)
         context = Context(MNDevice("pfvm:cpu"))
         Context.switch_context(context)
@@ -72,7 +72,7 @@ def measure(name: str, steps: int, rounds: int) -> dict:
         step = bench_zoo.make_step(twin, optimizer)
         runners[variant] = context.compile(step, batch, options={"option_json": "O1"})
         compile_seconds[variant] = runners[variant].compile_seconds
-    emulator.build_executor, executors._PRESERVE_GEMM = build, preserve
+    emulator.build_executor, executors._KEEP_MATMULS_APART = build, True
     times: dict[str, list[float]] = {k: [] for k in runners}
     for run in runners.values():
         for _ in range(2):

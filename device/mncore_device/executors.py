@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 import torch.fx as fx
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from ._source import user_frame_from_stack_trace
 from .errors import NonFiniteError
@@ -22,12 +21,8 @@ from .inductor_keys import apply_remembered_source_keys
 from .presets import Preset
 from .tracing import _is_view_of
 
-try:  # Inductor leaves an mm marked so out of its mm + add -> addmm fusion
-    from torch._higher_order_ops.flex_gemm import _PRESERVE_FLEX_GEMM_GEMM_OP as _PRESERVE_GEMM
-except ImportError:  # another torch: the fusion stays (slower, same results)
-    _PRESERVE_GEMM = None
-
 aten = torch.ops.aten
+_KEEP_MATMULS_APART = True  # benchmarks/bench_in_place.py turns it off to measure "before"
 Executor = Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]]
 
 
@@ -83,7 +78,8 @@ def _compile_with_inductor(
         options["compile_threads"] = int(compile_threads)
     if example_args and example_args[0].device.type != "cuda":
         options.pop("triton.cudagraphs", None)
-    options["post_grad_custom_pre_pass"] = _MatmulsApartFromFullSizeAdds()
+    if _KEEP_MATMULS_APART:
+        options["post_grad_custom_pre_pass"] = _matmuls_apart_from_full_size_adds()
     _scale_before_adding(gm)
     mutated = mutated_inputs or []
     in_place = _updating_state_in_place(gm, mutated) if mutated else gm
@@ -135,8 +131,10 @@ def _updating_state_in_place(gm: fx.GraphModule, mutated: Sequence[int]) -> fx.G
     return fx.GraphModule(gm, graph)
 
 
-class _MatmulsApartFromFullSizeAdds(CustomGraphPass):
-    """Keep `mm(a, b) + x` as a matmul and a pointwise add when `x` has the result's full shape.
+def _matmuls_apart_from_full_size_adds():
+    """Inductor's post-grad pass that keeps `mm(a, b) + x` as a matmul and a pointwise add
+    when `x` has the result's full shape (built on first use: importing Inductor when this
+    module is imported would load it, and its logging set-up, for every user of the device).
 
     TorchInductor fuses every `add(mm, x)` into `addmm(x, a, b)`, which is good for a bias
     (a broadcast row). For a full-size `x` its addmm first copies `x` into a new buffer and
@@ -146,21 +144,30 @@ class _MatmulsApartFromFullSizeAdds(CustomGraphPass):
     longer join the fused update kernel that reads the gradient once. Left apart, the add
     fuses with the rest of the update, and it rounds as eager does (the product, then the
     add). Inductor's own GPU heuristic already unfuses a bias add feeding pointwise ops."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
 
-    def __call__(self, graph: fx.Graph) -> None:
-        if _PRESERVE_GEMM is None:
-            return
-        for node in graph.nodes:
-            if node.op != "call_function" or node.target is not aten.add.Tensor:
-                continue
-            if len(node.args) != 2 or node.kwargs:
-                continue
-            for matmul, other in (node.args, node.args[::-1]):
-                if _is_node(matmul, aten.mm.default) and _has_full_shape(other, node):
-                    matmul.meta[_PRESERVE_GEMM] = True
+    try:  # Inductor leaves an mm marked so out of its mm + add -> addmm fusion
+        from torch._higher_order_ops.flex_gemm import _PRESERVE_FLEX_GEMM_GEMM_OP as preserve
+    except ImportError:  # another torch: the fusion stays (slower, same results)
+        preserve = None
 
-    def uuid(self) -> str:
-        return f"mncore_device.matmuls_apart_from_full_size_adds.1.{_PRESERVE_GEMM is not None}"
+    class MatmulsApartFromFullSizeAdds(CustomGraphPass):
+        def __call__(self, graph: fx.Graph) -> None:
+            if preserve is None:
+                return
+            for node in graph.nodes:
+                if node.op != "call_function" or node.target is not aten.add.Tensor:
+                    continue
+                if len(node.args) != 2 or node.kwargs:
+                    continue
+                for matmul, other in (node.args, node.args[::-1]):
+                    if _is_node(matmul, aten.mm.default) and _has_full_shape(other, node):
+                        matmul.meta[preserve] = True
+
+        def uuid(self) -> str:
+            return f"mncore_device.matmuls_apart_from_full_size_adds.1.{preserve is not None}"
+
+    return MatmulsApartFromFullSizeAdds()
 
 
 def _is_node(value: object, target: object) -> bool:
