@@ -365,6 +365,41 @@ def test_sync_batchnorm_is_refused_on_the_split_step():
             torch.distributed.destroy_process_group()
 
 
+def test_sync_batchnorm_on_one_rank_is_batchnorm():
+    """The user's own convert_sync_batchnorm, one rank (a process group of 1): training gives
+    what BatchNorm gives under accelerator="cpu", strategy="ddp" (the same DistributedSampler
+    order); the module stays a SyncBatchNorm."""
+    from tests.lightning.lightning_testing import LitClassifier, LossCollector, trainer_kwargs
+
+    def fit(accelerator: str, strategy: str, sync: bool) -> tuple[list[torch.Tensor], dict]:
+        L.seed_everything(0, verbose=False)
+        model = LitClassifier(net="bn")
+        if sync:
+            model.net = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model.net)
+        collector = LossCollector()
+        trainer = L.Trainer(
+            accelerator=accelerator,
+            strategy=strategy,
+            devices=1,
+            callbacks=[collector],
+            **trainer_kwargs(max_epochs=1),
+        )
+        trainer.fit(model, loader(n=48, shuffle=True))
+        assert isinstance(model.net[1], torch.nn.SyncBatchNorm) is sync
+        return collector.losses, model.state_dict()
+
+    try:
+        got_losses, got_state = fit("mncore", "mncore_ddp", sync=True)
+        ref_losses, ref_state = fit("cpu", "ddp", sync=False)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    _close(got_losses, ref_losses, "losses")
+    assert got_state.keys() == ref_state.keys()
+    for key, value in ref_state.items():
+        _close(got_state[key], value, key)
+
+
 def test_mlsdk_refuses_collectives_inside_the_graph(monkeypatch):
     from tests.fake_mlsdk import install as fake
     from tests.lightning.lightning_testing import LitClassifier
