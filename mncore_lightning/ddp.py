@@ -15,7 +15,9 @@ DistributedDataParallel; gradients are averaged in one of two ways:
   torch.distributed, and a compiled update applies them.
 
 Buffers (BatchNorm's running statistics) stay per rank, as DDP with `broadcast_buffers=False`;
-a checkpoint holds rank 0's.
+a checkpoint holds rank 0's. SyncBatchNorm (`Trainer(sync_batchnorm=True)`) normalizes with the
+statistics of the global batch inside the one compiled step (sync_batchnorm.py), so its running
+statistics agree across ranks; the split step refuses it.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from mncore_device import Backend, MNDevice, resolve_backend
 from .compiled_hooks import CompiledHook
 from .device_selection import rank_device, resolve_device
 from .strategy import CompiledSteps
+from .sync_batchnorm import traced_sync_batchnorm
 
 
 class MNCoreDDPStrategy(CompiledSteps, DDPStrategy):
@@ -128,20 +131,28 @@ class MNCoreDDPStrategy(CompiledSteps, DDPStrategy):
     def configure_ddp(self) -> None:
         """No DistributedDataParallel wrapper (the compiled step averages the gradients); as
         its constructor does, every rank starts from rank 0's parameters and buffers."""
-        for name, module in self.model.named_modules():
-            if isinstance(module, torch.nn.SyncBatchNorm):
-                raise MisconfigurationException(
-                    f"{name or 'the model'} is a SyncBatchNorm (Trainer(sync_batchnorm=True) or "
-                    "convert_sync_batchnorm), which MNCoreDDPStrategy does not support: its "
-                    "collectives are not functional ones the compiled step can hold. Use "
-                    "BatchNorm: its statistics then stay per rank, as DDP's with "
-                    "broadcast_buffers=False."
-                )
+        if self.split_step:
+            for name, module in self.model.named_modules():
+                if isinstance(module, torch.nn.SyncBatchNorm):
+                    raise MisconfigurationException(
+                        f"{name or 'the model'} is a SyncBatchNorm (Trainer(sync_batchnorm=True) "
+                        "or convert_sync_batchnorm), which MNCoreDDPStrategy(split_step=True) "
+                        "cannot run: its statistics are exchanged between ranks inside the "
+                        "forward, and the split step's compiled graphs hold no collectives "
+                        "(MLSDK compiles none). Use split_step=False (the emulator's default), "
+                        "or BatchNorm with per-rank statistics."
+                    )
         _sync_module_states(self.model)
 
     def _register_state(self) -> None:
         super()._register_state()
         self._update_hook = None
+
+    def _compile(self, *args: Any, **kwargs: Any):
+        """Traced SyncBatchNorm layers exchange their statistics with functional collectives
+        (sync_batchnorm.py); configure_ddp refused them on the split step."""
+        with traced_sync_batchnorm(self.lightning_module):
+            return super()._compile(*args, **kwargs)
 
     # --- gradient averaging --------------------------------------------------------------------
 

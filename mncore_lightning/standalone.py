@@ -41,6 +41,7 @@ _SHARED = (
     "optimizers._convert",
     "side_effects",
     "step_counters",
+    "sync_batchnorm",
 )
 _RENAMES = (("lightning.pytorch", "pytorch_lightning"), ("lightning.fabric", "lightning_fabric"))
 

@@ -87,6 +87,8 @@ RUNS = {
     # per-rank BatchNorm statistics: DDP's broadcast_buffers=False
     "cpu_bn": ("cpu", lambda: DDPStrategy(broadcast_buffers=False), {"net": "bn"}, {}),
     "mncore_bn": ("mncore", lambda: "auto", {"net": "bn"}, {}),
+    # SyncBatchNorm (Lightning converts the model): the global batch's statistics
+    "mncore_syncbn": ("mncore", lambda: "auto", {"net": "bn"}, {"sync_bn": True}),
     "cpu_manual": ("cpu", lambda: "ddp", {"manual": True}, {}),
     "mncore_manual": ("mncore", lambda: "auto", {"manual": True}, {}),
     # MLSDK (the strict fake, tests/fake_mlsdk): each rank on its own board, split step by default
@@ -105,8 +107,9 @@ def _use_fake_mlsdk() -> None:
 def run(name: str, out: Path) -> None:
     accelerator, strategy, model_kwargs, options = RUNS[name]
     model_kwargs = dict(model_kwargs)
-    if name == "mncore":  # its graphs are read by the test
-        strategy = lambda: MNCoreDDPStrategy(codegen_dir=out / "codegen")  # noqa: E731
+    if name in ("mncore", "mncore_syncbn"):  # their graphs are read by the test
+        codegen = out / ("codegen" if name == "mncore" else f"codegen_{name}")
+        strategy = lambda: MNCoreDDPStrategy(codegen_dir=codegen)  # noqa: E731
     if name == "mlsdk":
         _use_fake_mlsdk()
     L.seed_everything(0, verbose=False)
@@ -119,6 +122,7 @@ def run(name: str, out: Path) -> None:
         devices=2,
         max_epochs=2,
         accumulate_grad_batches=options.get("acc", 1),
+        sync_batchnorm=options.get("sync_bn", False),
         callbacks=[collector],
         logger=False,
         enable_progress_bar=False,

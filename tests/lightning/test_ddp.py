@@ -22,6 +22,7 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from mncore_lightning import MNCoreAccelerator, MNCoreDDPStrategy, MNCoreStrategy
 from mncore_lightning.device_selection import rank_device
@@ -29,7 +30,16 @@ from tests.lightning.lightning_testing import ATOL, loader
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = "tests.lightning.ddp_script"
-LIGHTNING_RUNS = ("cpu", "mncore", "split", "cpu_acc", "mncore_acc", "split_acc", "mlsdk")
+LIGHTNING_RUNS = (
+    "cpu",
+    "mncore",
+    "split",
+    "cpu_acc",
+    "mncore_acc",
+    "split_acc",
+    "mlsdk",
+    "mncore_syncbn",
+)
 TORCHRUN_RUNS = ("cpu_bn", "mncore_bn", "cpu_manual", "mncore_manual", "collectives_o1")
 
 
@@ -229,6 +239,73 @@ def test_checkpoint_resume_matches_one_fit(lightning_launch):
             _close(got["resumed_state"][key], value, f"resumed {key}")
 
 
+class _GlobalBatches(Sampler):
+    """Batches of 2 x BATCH: step k's is rank 0's batch k followed by rank 1's, as Lightning's
+    DistributedSampler (shuffled, seed 0, reseeded per epoch) deals them out to 2 ranks. Each
+    iteration is the next epoch."""
+
+    def __init__(self, dataset, batch: int) -> None:
+        self.dataset, self.batch, self.epoch = dataset, batch, -1
+
+    def __iter__(self):
+        self.epoch += 1
+        shards = []
+        for rank in (0, 1):
+            sampler = DistributedSampler(self.dataset, num_replicas=2, rank=rank, shuffle=True)
+            sampler.set_epoch(self.epoch)
+            shards.append(list(sampler))
+        for k in range(0, len(shards[0]), self.batch):
+            yield shards[0][k : k + self.batch] + shards[1][k : k + self.batch]
+
+    def __len__(self) -> int:
+        return len(self.dataset) // (2 * self.batch)
+
+
+def _one_process_reference() -> tuple[list[float], dict, torch.nn.Module]:
+    """What 2 ranks with SyncBatchNorm must compute, by definition: ONE process training the
+    same model with BatchNorm on the concatenated batch (2 x BATCH: both ranks' samples of
+    each step; DDP's average of the per-rank mean losses is the mean over it)."""
+    from tests.lightning.ddp_script import BATCH, TRAIN, SyncedClassifier
+    from tests.lightning.lightning_testing import LossCollector, make_dataset, trainer_kwargs
+
+    L.seed_everything(0, verbose=False)
+    model = SyncedClassifier(net="bn")
+    collector = LossCollector()
+    trainer = L.Trainer(accelerator="cpu", devices=1, callbacks=[collector], **trainer_kwargs())
+    data = make_dataset(TRAIN)
+    trainer.fit(model, DataLoader(data, batch_sampler=_GlobalBatches(data, BATCH)))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    return [loss.item() for loss in collector.losses], state, model
+
+
+def test_sync_batchnorm_matches_batchnorm_on_the_global_batch(lightning_launch):
+    """Trainer(sync_batchnorm=True), 2 ranks x batch 4: the losses (averaged over the ranks),
+    weights and running statistics of one process training BatchNorm on batch 8, on both
+    ranks; evaluation (eval mode: BatchNorm with the running statistics) agrees too."""
+    from tests.lightning.ddp_script import VAL
+    from tests.lightning.lightning_testing import make_dataset
+
+    ref_losses, ref_state, ref_model = _one_process_reference()
+    got = _results(lightning_launch, "mncore_syncbn")
+    assert len(ref_losses) == len(got[0]["losses"]) == 16
+    mean_losses = [(a + b) / 2 for a, b in zip(got[0]["losses"], got[1]["losses"], strict=True)]
+    _close(mean_losses, ref_losses, "losses averaged over the ranks")
+    val_x = make_dataset(VAL, seed=1).tensors[0]
+    ref_model.eval()
+    for rank, g in enumerate(got):
+        assert g["strategy"] == "MNCoreDDPStrategy"
+        assert g["state"].keys() == ref_state.keys()
+        assert "net.1.running_var" in ref_state
+        for key, value in ref_state.items():
+            _close(g["state"][key], value, f"rank {rank} {key}")
+        with torch.no_grad():  # this rank's validation shard (DistributedSampler, in turn)
+            _close(g["predict"], ref_model(val_x[rank::2]), f"rank {rank} predictions")
+    graph = lightning_launch / "codegen_mncore_syncbn" / "rank0" / "train_0" / "graph.py"
+    text = graph.read_text()
+    assert "_c10d_functional.all_gather_into_tensor" in text  # the forward's statistics
+    assert text.count("_c10d_functional.all_reduce.") == 2  # backward's sums, the gradients
+
+
 # --- launched by torchrun -------------------------------------------------------------------
 
 
@@ -272,16 +349,55 @@ def test_split_step_refuses_manual_optimization():
             torch.distributed.destroy_process_group()
 
 
-def test_sync_batchnorm_is_refused():
+def test_sync_batchnorm_is_refused_on_the_split_step():
+    """The split step's graphs hold no collectives: SyncBatchNorm cannot exchange statistics."""
     from tests.lightning.lightning_testing import LitClassifier
 
-    trainer = _trainer(accelerator="mncore", strategy="mncore_ddp", devices=1, sync_batchnorm=True)
+    strategy = MNCoreDDPStrategy(split_step=True)
+    trainer = _trainer(accelerator="mncore", strategy=strategy, devices=1, sync_batchnorm=True)
     try:
-        with pytest.raises(MisconfigurationException, match="SyncBatchNorm"):
+        with pytest.raises(
+            MisconfigurationException, match=r"net\.1 is a SyncBatchNorm.*split_step"
+        ):
             trainer.fit(LitClassifier(net="bn"), loader())
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def test_sync_batchnorm_on_one_rank_is_batchnorm():
+    """The user's own convert_sync_batchnorm, one rank (a process group of 1): training gives
+    what BatchNorm gives under accelerator="cpu", strategy="ddp" (the same DistributedSampler
+    order); the module stays a SyncBatchNorm."""
+    from tests.lightning.lightning_testing import LitClassifier, LossCollector, trainer_kwargs
+
+    def fit(accelerator: str, strategy: str, sync: bool) -> tuple[list[torch.Tensor], dict]:
+        L.seed_everything(0, verbose=False)
+        model = LitClassifier(net="bn")
+        if sync:
+            model.net = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model.net)
+        collector = LossCollector()
+        trainer = L.Trainer(
+            accelerator=accelerator,
+            strategy=strategy,
+            devices=1,
+            callbacks=[collector],
+            **trainer_kwargs(max_epochs=1),
+        )
+        trainer.fit(model, loader(n=48, shuffle=True))
+        assert isinstance(model.net[1], torch.nn.SyncBatchNorm) is sync
+        return collector.losses, model.state_dict()
+
+    try:
+        got_losses, got_state = fit("mncore", "mncore_ddp", sync=True)
+        ref_losses, ref_state = fit("cpu", "ddp", sync=False)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    _close(got_losses, ref_losses, "losses")
+    assert got_state.keys() == ref_state.keys()
+    for key, value in ref_state.items():
+        _close(got_state[key], value, key)
 
 
 def test_mlsdk_refuses_collectives_inside_the_graph(monkeypatch):
