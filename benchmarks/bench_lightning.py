@@ -288,7 +288,7 @@ def _profile_mncore_step(trainer, model, loader) -> dict:
     strategy_module.carried_signature = carried
     del strategy._push_host_edits, strategy._check_training_batch
     hook.recorder.calls, hook.compiled._executor = calls, executor
-    matmuls = _matmuls_us(model, batches[0] if k == 1 else batches[0][0], per_step)
+    matmuls = _matmuls_us(model, batches[0] if k == 1 else batches[0][0], per_step, k)
     return {
         "dataloader (per batch)": round(data_us, 1),
         "strategy.training_step (total)": round(step_us, 1),
@@ -300,10 +300,10 @@ def _profile_mncore_step(trainer, model, loader) -> dict:
     }
 
 
-def _matmuls_us(model, batch, per_step) -> float | None:
+def _matmuls_us(model, batch, per_step, steps: int = 1) -> float | None:
     """Microseconds of one step's matrix multiplications alone, for a stack of Linear layers
     (the MLP): each layer's forward addmm and weight-gradient mm, and the input-gradient mm of
-    every layer but the first; None for other models."""
+    every layer but the first; None for other models. `per_step` divides by `steps` per call."""
     import torch
 
     layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
@@ -319,7 +319,7 @@ def _matmuls_us(model, batch, per_step) -> float | None:
         work.append((index, w, b, x, g, outs))
 
     def matmuls(i, b) -> None:
-        for index, w, bias, x, g, (y, gw, gx) in work:
+        for index, w, bias, x, g, (y, gw, gx) in work * steps:
             torch.addmm(bias, x, w.t(), out=y)
             torch.mm(g.t(), x, out=gw)
             if index:
