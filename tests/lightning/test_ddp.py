@@ -19,7 +19,9 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
 from mncore_lightning import MNCoreAccelerator, MNCoreDDPStrategy, MNCoreStrategy
 from mncore_lightning.device_selection import rank_device
@@ -314,6 +316,9 @@ def test_slurm_task_is_a_rank_through_lightnings_environment(monkeypatch):
         "SLURM_JOB_ID": "7",
     }.items():
         monkeypatch.setenv(key, value)
+    # the strategy makes this process rank 1 for Lightning's rank-zero-only logging: undone after
+    for flag in (fabric_rank_zero_only, utils_rank_zero_only):
+        monkeypatch.setattr(flag, "rank", flag.rank)
     trainer = _trainer(accelerator="mncore", devices=2)
     strategy = trainer.strategy
     assert isinstance(strategy, MNCoreDDPStrategy)
