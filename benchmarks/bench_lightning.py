@@ -13,9 +13,15 @@ overhead and, within it, the guards' share (measured with the guards switched of
 often a fit synchronized the host. A config ending in "-bf16" runs precision="bf16-mixed";
 `--model cnn` runs examples/mnist_cnn.py's CNN instead of the MLP. A config with "-k<K>"
 (mncore-O1-k8) runs MNCoreStrategy(steps_per_call=K): K batches per device call.
+"cpu-floor" is Lightning's own floor: the same DataLoader, loop and `self.log` under
+accelerator="cpu" with a one-parameter training step (no model compute), so what any step
+through `trainer.fit` costs before its model runs. For the MLP, the mncore profile also times
+the step's matrix multiplications alone (forward, weight and input gradients, the part no
+implementation can skip) and the report gives the steps/s ratio to cpu that the configuration
+would reach if its whole compiled graph took only that long ("bound x cpu").
 
     python benchmarks/bench_lightning.py [--repeats 3] [--epochs 4] [--model mlp|cnn]
-        [--configs eager cpu mncore-O0 mncore-O1 cpu-bf16 mncore-O1-bf16] [--out FILE]
+        [--configs eager cpu cpu-floor mncore-O0 mncore-O1 cpu-bf16 mncore-O1-bf16] [--out FILE]
         [--threads 2]
 """
 
@@ -68,13 +74,34 @@ def _module_cls(model: str = "mlp"):
         def training_step(self, batch, batch_idx):
             x, t = batch
             loss = F.cross_entropy(self(x), t)
-            self.log("train_loss", loss)
+            self.log("train_loss", loss, prog_bar=True)
             return loss
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
 
     return TutorialMLP
+
+
+def _floor_module():
+    """Lightning's per-step floor: automatic optimization, one log, a one-parameter step."""
+    import lightning as L
+    import torch
+
+    class Floor(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def training_step(self, batch, batch_idx):
+            loss = self.w.sum()
+            self.log("train_loss", loss, prog_bar=True)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+    return Floor()
 
 
 class _EpochTimer:
@@ -133,6 +160,8 @@ def run_one(config: str, epochs: int, model_name: str = "mlp", threads: int = 2)
     config = config.split("-k")[0]
     if config == "eager":
         return _run_eager(model, loader, epochs)
+    if config == "cpu-floor":
+        model, config = _floor_module(), "cpu"
     import lightning as L
 
     import mncore_lightning  # noqa: F401  (registers "mncore")
@@ -259,6 +288,7 @@ def _profile_mncore_step(trainer, model, loader) -> dict:
     strategy_module.carried_signature = carried
     del strategy._push_host_edits, strategy._check_training_batch
     hook.recorder.calls, hook.compiled._executor = calls, executor
+    matmuls = _matmuls_us(model, batches[0] if k == 1 else batches[0][0], per_step, k)
     return {
         "dataloader (per batch)": round(data_us, 1),
         "strategy.training_step (total)": round(step_us, 1),
@@ -266,7 +296,36 @@ def _profile_mncore_step(trainer, model, loader) -> dict:
         "self.log replay (Lightning)": round(with_replay_us - own_us, 1),
         "strategy + device layer own": round(own_us, 1),
         "of which guards (on - off)": round(own_us - unguarded_us, 1),
+        **({"matmuls alone (forward + gradients)": round(matmuls, 1)} if matmuls else {}),
     }
+
+
+def _matmuls_us(model, batch, per_step, steps: int = 1) -> float | None:
+    """Microseconds of one step's matrix multiplications alone, for a stack of Linear layers
+    (the MLP): each layer's forward addmm and weight-gradient mm, and the input-gradient mm of
+    every layer but the first; None for other models. `per_step` divides by `steps` per call."""
+    import torch
+
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    if not layers or any(isinstance(m, torch.nn.Conv2d) for m in model.modules()):
+        return None
+    n = batch[0].shape[0]
+    work = []
+    for index, layer in enumerate(layers):
+        w, b = layer.weight.detach(), layer.bias.detach()
+        x = torch.randn(n, layer.in_features)
+        g = torch.randn(n, layer.out_features)
+        outs = (torch.empty(n, layer.out_features), torch.empty_like(w), torch.empty_like(x))
+        work.append((index, w, b, x, g, outs))
+
+    def matmuls(i, b) -> None:
+        for index, w, bias, x, g, (y, gw, gx) in work * steps:
+            torch.addmm(bias, x, w.t(), out=y)
+            torch.mm(g.t(), x, out=gw)
+            if index:
+                torch.mm(g, w, out=gx)
+
+    return per_step(matmuls)
 
 
 def _loader_us(loader, n: int) -> float:
@@ -345,15 +404,28 @@ def main(argv: list[str] | None = None) -> dict:
                 key: round(statistics.median(r["profile_us"][key] for r in results), 1)
                 for key in results[0]["profile_us"]
             }
+            profile = entry["per_step_us"]
+            matmuls = profile.get("matmuls alone (forward + gradients)")
+            if cpu and matmuls:
+                # the ratio to cpu with the graph as fast as its matmuls, all else as measured
+                step_us = 1e6 / sps
+                bound_us = step_us - profile["compiled graph (executor)"] + matmuls
+                entry["graph_vs_matmuls"] = round(profile["compiled graph (executor)"] / matmuls, 2)
+                entry["bound_vs_lightning_cpu"] = round(1e6 / cpu / bound_us, 2)
         if "host_syncs_per_fit" in results[0]:
             entry["host_syncs_per_fit"] = results[-1]["host_syncs_per_fit"]
         report["configs"][config] = entry
 
-    print(f"\n{'config':<12} {'steps/s':>9} {'x cpu':>7} {'compile s':>10} {'peak MB':>8}")
+    eager = report["configs"].get("eager", {}).get("steps_per_second_median")
+    header = f"{'config':<14} {'steps/s':>9} {'x cpu':>7} {'x eager':>8} {'compile s':>10}"
+    print(f"\n{header} {'peak MB':>8} {'bound x cpu':>12}")
     for config, e in report["configs"].items():
+        sps = e["steps_per_second_median"]
+        e["vs_eager"] = round(sps / eager, 2) if eager else None
         print(
-            f"{config:<12} {e['steps_per_second_median']:>9.0f} {e['vs_lightning_cpu'] or 0:>7.2f} "
-            f"{e.get('compile_seconds_median', 0):>10.2f} {e['peak_rss_mb_median']:>8.0f}"
+            f"{config:<14} {sps:>9.0f} {e['vs_lightning_cpu'] or 0:>7.2f} "
+            f"{e['vs_eager'] or 0:>8.2f} {e.get('compile_seconds_median', 0):>10.2f} "
+            f"{e['peak_rss_mb_median']:>8.0f} {e.get('bound_vs_lightning_cpu', ''):>12}"
         )
     for config, e in report["configs"].items():
         if "per_step_us" in e:

@@ -279,7 +279,7 @@ def _returns_weight_unchanged(model, optimizer):
     return lambda batch: {"weight": model.weight, "bias": model.bias[:2], "y": model(batch["x"])}
 
 
-@pytest.mark.parametrize("preset", ["O0", "debug", "O1"])
+@pytest.mark.parametrize("preset", ["O0", "debug", "O1", "O2"])
 @pytest.mark.parametrize("make_step", [_returns_updated_weight, _returns_weight_unchanged])
 def test_editing_a_returned_tensor_in_place_never_changes_device_state(context, preset, make_step):
     """A step that returns a registered tensor (updated, unchanged, or a view of it): the

@@ -1,0 +1,134 @@
+"""Where a `trainer.fit` step's time goes, every configuration in ONE process, interleaved.
+
+The tutorial MLP of bench_lightning.py (1024-256-10, batch 64, shuffled DataLoader, one
+`self.log(..., prog_bar=True)` per step) under:
+  - data: iterating the DataLoader alone,
+  - eager: the hand-written loop (no Lightning),
+  - cpu: Lightning's accelerator="cpu",
+  - cpu-floor: Lightning's cpu loop with a one-parameter step (Lightning's own cost per step),
+  - mncore: accelerator="mncore", O1, and mncore-k8 with steps_per_call=8,
+  - mncore-nograph: mncore O1 with the compiled graph replaced, after the first epoch, by its
+    cached outputs: the DataLoader, Lightning's loop and the strategy, without the graph.
+Each round runs every configuration once (a fit of `--epochs` epochs of 100 steps; the first
+epoch, which compiles, is not timed); the report is the median over rounds of each
+configuration's median steady epoch, in microseconds per step. One process, interleaved, so
+that a busy machine slows every configuration alike (bench_lightning.py runs a process each).
+
+    python benchmarks/bench_fit_floor.py [--rounds 5] [--epochs 4] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_lightning as bl  # noqa: E402
+
+CONFIGS = ("data", "eager", "cpu", "cpu-floor", "mncore-nograph", "mncore", "mncore-k8")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    import torch
+
+    torch.set_num_threads(args.threads)
+    import lightning as L
+
+    import mncore_lightning
+
+    loader = bl._data()
+    mlp = bl._module_cls()
+
+    class NoGraph(L.Callback):
+        """From the second epoch on, the compiled graph returns the outputs of its next call."""
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            if trainer.current_epoch == 0:
+                compiled = trainer.strategy._train_hook.compiled
+                executor, cached = compiled._executor, []
+
+                def replay(args):
+                    if not cached:
+                        cached.append(executor(args))
+                    return cached[0]
+
+                compiled._executor = replay
+
+    def fit(model, callbacks=(), **kwargs) -> float:
+        timer = bl._EpochTimer(loader)
+        timer.callback.on_train_end = lambda *a: None  # no profile: the wall time only
+        trainer = L.Trainer(
+            max_epochs=args.epochs,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[timer.callback, *callbacks],
+            **kwargs,
+        )
+        trainer.fit(model, loader)
+        return statistics.median(timer.epochs[1:]) / bl.STEPS_PER_EPOCH * 1e6
+
+    def data() -> float:
+        start = time.perf_counter()
+        for _ in range(args.epochs):
+            for _batch in loader:
+                pass
+        return (time.perf_counter() - start) / args.epochs / bl.STEPS_PER_EPOCH * 1e6
+
+    def mncore(k: int = 1, callbacks=()) -> float:
+        strategy = mncore_lightning.MNCoreStrategy(device="pfvm:cpu", preset="O1", steps_per_call=k)
+        return fit(mlp(), callbacks, accelerator="mncore", strategy=strategy)
+
+    runs = {
+        "data": data,
+        "eager": lambda: 1e6 / bl._run_eager(mlp(), loader, args.epochs)["steps_per_second"],
+        "cpu": lambda: fit(mlp(), accelerator="cpu"),
+        "cpu-floor": lambda: fit(bl._floor_module(), accelerator="cpu"),
+        "mncore-nograph": lambda: mncore(callbacks=[NoGraph()]),
+        "mncore": mncore,
+        "mncore-k8": lambda: mncore(8),
+    }
+    times: dict[str, list[float]] = {c: [] for c in args.configs}
+    for round_ in range(args.rounds):
+        for config in args.configs:
+            times[config].append(runs[config]())
+        print(f"round {round_}: " + ", ".join(f"{c} {t[-1]:.0f}" for c, t in times.items()))
+    us = {c: statistics.median(t) for c, t in times.items()}
+    report = {
+        "threads": args.threads,
+        "rounds": args.rounds,
+        "us_per_step_median": {c: round(v, 1) for c, v in us.items()},
+        "us_per_step_all": {c: [round(v, 1) for v in t] for c, t in times.items()},
+    }
+    if "cpu" in us:
+        report["vs_lightning_cpu"] = {c: round(us["cpu"] / v, 2) for c, v in us.items()}
+    if "eager" in us:
+        report["vs_eager"] = {c: round(us["eager"] / v, 2) for c, v in us.items()}
+    if "mncore" in us and "mncore-nograph" in us and "cpu" in us:
+        # what a step's graph may take for the step to reach 2x cpu, all else as measured
+        report["graph_budget_for_2x_cpu_us"] = round(us["cpu"] / 2 - us["mncore-nograph"], 1)
+        report["graph_in_fit_us"] = round(us["mncore"] - us["mncore-nograph"], 1)
+    print(json.dumps({k: v for k, v in report.items() if k != "us_per_step_all"}, indent=1))
+    out = args.out or f"benchmarks/results/fit_floor_{args.threads}thread.json"
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()
