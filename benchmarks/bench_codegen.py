@@ -21,18 +21,15 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))  # device_steps.py, next to this script
+from device_steps import make_step, registered  # noqa: E402
+
 
 def run_one(mode: str, model_name: str, preset: str, codegen: str) -> dict:
     import torch
     import torch.nn as nn
-    import torch.nn.functional as F
 
-    from mncore_device import (
-        Context,
-        MNDevice,
-        set_buffer_name_in_optimizer,
-        set_tensor_name_in_module,
-    )
+    from mncore_device import Context, MNDevice
 
     torch.manual_seed(0)
     if model_name == "mlp":
@@ -48,20 +45,8 @@ def run_one(mode: str, model_name: str, preset: str, codegen: str) -> dict:
         optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
     context = Context(MNDevice("pfvm:cpu"))
     Context.switch_context(context)
-    set_tensor_name_in_module(model, "model")
-    for p in model.parameters():
-        context.register_param(p)
-    for b in model.buffers():
-        context.register_buffer(b)
-    set_buffer_name_in_optimizer(optimizer, "optimizer")
-    context.register_optimizer_buffers(optimizer)
-
-    def step(b):
-        optimizer.zero_grad()
-        loss = F.cross_entropy(model(b["x"]), b["t"])
-        loss.backward()
-        optimizer.step()
-        return {"loss": loss}
+    registered(context, model, optimizer)
+    step = make_step(model, optimizer)
 
     start = time.perf_counter()
     if mode == "compile":
@@ -98,7 +83,9 @@ def main() -> None:
     load_s = statistics.median(r["seconds"] for r in results[1:])
     same = all(r["loss"] == results[0]["loss"] for r in results[1:])
     summary = {"model": args.model, "preset": args.preset, "compile_s": compile_s}
-    summary.update(load_median_s=load_s, ratio=round(compile_s / load_s, 1), same_loss=same)
+    summary.update(
+        load_median_s=load_s, ratio=round(compile_s / load_s, 1) if load_s else None, same_loss=same
+    )
     print(json.dumps(summary))
 
 

@@ -24,6 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))  # device_steps.py, next to this script
+from device_steps import make_step, registered  # noqa: E402
+
 
 def _model_and_batch(name: str):
     import torch
@@ -47,7 +50,6 @@ def run_child(name: str, preset: str) -> dict:
     """One compile in this process; seconds per phase."""
     start = time.perf_counter()
     import torch
-    import torch.nn.functional as F
 
     torch.set_num_threads(2)
     import mncore_device
@@ -80,20 +82,8 @@ def run_child(name: str, preset: str) -> dict:
     from mncore_lightning.optimizers import MNCoreSGD  # the tutorial's optimizer
 
     optimizer = MNCoreSGD(model.parameters(), 0.01, 0.9, 0.0)
-    mncore_device.set_tensor_name_in_module(model, "model")
-    for p in model.parameters():
-        context.register_param(p)
-    for b in model.buffers():
-        context.register_buffer(b)
-    mncore_device.set_buffer_name_in_optimizer(optimizer, "optimizer")
-    context.register_optimizer_buffers(optimizer)
-
-    def step(batch):
-        optimizer.zero_grad()
-        loss = F.cross_entropy(model(batch["x"]), batch["t"])
-        loss.backward()
-        optimizer.step()
-        return {"loss": loss}
+    registered(context, model, optimizer)
+    step = make_step(model, optimizer)
 
     start = time.perf_counter()
     compiled = context.compile(step, {"x": x, "t": t}, options={"option_json": preset})

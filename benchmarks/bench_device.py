@@ -38,12 +38,10 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from mncore_device import (  # noqa: E402
-    Context,
-    MNDevice,
-    set_buffer_name_in_optimizer,
-    set_tensor_name_in_module,
-)
+from mncore_device import Context, MNDevice  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))  # device_steps.py, next to this script
+from device_steps import make_step, registered  # noqa: E402
 
 MODELS = {
     "mlp": "MLP 1024-256-10 (MLSDK tutorial)",
@@ -110,26 +108,12 @@ class DeviceLoop:
         self.context = Context(MNDevice("pfvm:cpu"))
         Context.switch_context(self.context)
         self.optimizer = make_device_optimizer(model, optimizer_kind)
-        set_tensor_name_in_module(model, "model")
-        for p in model.parameters():
-            self.context.register_param(p)
-        for b in model.buffers():
-            self.context.register_buffer(b)
-        set_buffer_name_in_optimizer(self.optimizer, "optimizer")
-        self.context.register_optimizer_buffers(self.optimizer)
+        registered(self.context, model, self.optimizer)
         self.preset = preset
         self.compiled = None
 
     def compile(self, sample) -> float:
-        optimizer, model = self.optimizer, self.model
-
-        def train_step(batch):
-            optimizer.zero_grad()
-            loss = F.cross_entropy(model(batch["x"]), batch["t"])
-            loss.backward()
-            optimizer.step()
-            return {"loss": loss}
-
+        train_step = make_step(self.model, self.optimizer)
         start = time.perf_counter()
         self.compiled = self.context.compile(
             train_step, sample, options={"option_json": self.preset}

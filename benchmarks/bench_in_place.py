@@ -30,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_zoo  # noqa: E402
+from device_steps import make_step, registered  # noqa: E402
 
 STEPS = {"alexnet": 5, "vgg11_bn": 3, "resnet18": 10, "vit_small": 50, "mlp": 300, "bn_mlp": 300}
 
@@ -56,7 +57,7 @@ def measure(name: str, steps: int, rounds: int) -> dict:
 
     model, batch = model_and_batch(name)
     reference = copy.deepcopy(model)
-    runners = {"eager": bench_zoo.make_step(reference, bench_zoo.make_sgd(reference.parameters()))}
+    runners = {"eager": make_step(reference, bench_zoo.make_sgd(reference.parameters()))}
     build = emulator.build_executor
     compile_seconds = {}
     for variant in ("out_of_place", "in_place"):
@@ -68,8 +69,8 @@ def measure(name: str, steps: int, rounds: int) -> dict:
         context = Context(MNDevice("pfvm:cpu"))
         Context.switch_context(context)
         optimizer = bench_zoo.make_sgd(twin.parameters())
-        bench_zoo.registered(context, twin, optimizer)
-        step = bench_zoo.make_step(twin, optimizer)
+        registered(context, twin, optimizer)
+        step = make_step(twin, optimizer)
         runners[variant] = context.compile(step, batch, options={"option_json": "O1"})
         compile_seconds[variant] = runners[variant].compile_seconds
     emulator.build_executor, executors._KEEP_MATMULS_APART = build, True

@@ -18,17 +18,14 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))  # device_steps.py, next to this script
+from device_steps import make_step, registered  # noqa: E402
+
 
 def run_one(preset: str, steps: int) -> dict:
     import torch
-    import torch.nn.functional as F
 
-    from mncore_device import (
-        Context,
-        MNDevice,
-        set_buffer_name_in_optimizer,
-        set_tensor_name_in_module,
-    )
+    from mncore_device import Context, MNDevice
     from mncore_lightning.optimizers import MNCoreSGD
 
     torch.set_num_threads(2)
@@ -37,19 +34,9 @@ def run_one(preset: str, steps: int) -> dict:
         torch.nn.Flatten(), torch.nn.Linear(1024, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)
     )
     context = Context(MNDevice("pfvm:cpu"))
-    set_tensor_name_in_module(model, "model")
-    for p in model.parameters():
-        context.register_param(p)
     optimizer = MNCoreSGD(model.parameters(), 0.1, 0.9, 0.0)
-    set_buffer_name_in_optimizer(optimizer, "optimizer")
-    context.register_optimizer_buffers(optimizer)
-
-    def step(inp):
-        optimizer.zero_grad()
-        loss = F.cross_entropy(model(inp["x"]), inp["t"])
-        loss.backward()
-        optimizer.step()
-        return {"loss": loss}
+    registered(context, model, optimizer)
+    step = make_step(model, optimizer)
 
     batch = {"x": torch.randn(64, 1, 32, 32), "t": torch.randint(0, 10, (64,))}
     compiled = context.compile(step, batch, options={"option_json": preset})

@@ -34,6 +34,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))  # device_steps.py, next to this script
+from device_steps import make_step, registered  # noqa: E402
+
 # model name -> (constructor keyword arguments, input side in pixels)
 MODELS: dict[str, tuple[dict, int]] = {
     "resnet18": ({}, 32),
@@ -97,31 +100,6 @@ def make_sgd(params):
     for p in params:
         optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
     return optimizer
-
-
-def make_step(model, optimizer):
-    import torch.nn.functional as F
-
-    def step(batch):
-        optimizer.zero_grad()
-        loss = F.cross_entropy(model(batch["x"]), batch["t"])
-        loss.backward()
-        optimizer.step()
-        return {"loss": loss}
-
-    return step
-
-
-def registered(context, model, optimizer) -> None:
-    from mncore_device import set_buffer_name_in_optimizer, set_tensor_name_in_module
-
-    set_tensor_name_in_module(model, "model")
-    for p in model.parameters():
-        context.register_param(p)
-    for b in model.buffers():
-        context.register_buffer(b)
-    set_buffer_name_in_optimizer(optimizer, "optimizer")
-    context.register_optimizer_buffers(optimizer)
 
 
 def max_diff(a, b) -> float:
