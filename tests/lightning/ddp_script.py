@@ -149,27 +149,17 @@ def run(name: str, out: Path) -> None:
         ckpt = out / "mncore-epoch1.ckpt"
         L.seed_everything(0, verbose=False)
         model = SyncedClassifier(**model_kwargs)
-        first = L.Trainer(
-            accelerator="mncore",
-            devices=2,
-            max_epochs=1,
+        quiet = dict(
             logger=False,
             enable_progress_bar=False,
             enable_checkpointing=False,
             num_sanity_val_steps=0,
         )
+        first = L.Trainer(accelerator="mncore", devices=2, max_epochs=1, **quiet)
         first.fit(model, *_loaders())
         first.save_checkpoint(ckpt)  # rank 0 writes; every rank waits for it
         resumed_model = SyncedClassifier(**model_kwargs)
-        resumed = L.Trainer(
-            accelerator="mncore",
-            devices=2,
-            max_epochs=2,
-            logger=False,
-            enable_progress_bar=False,
-            enable_checkpointing=False,
-            num_sanity_val_steps=0,
-        )
+        resumed = L.Trainer(accelerator="mncore", devices=2, max_epochs=2, **quiet)
         resumed.fit(resumed_model, *_loaders(), ckpt_path=ckpt)
         results["resumed_state"] = resumed_model.state_dict()
         results["checkpoint_files"] = sorted(p.name for p in out.glob("*.ckpt"))
