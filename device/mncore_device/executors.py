@@ -160,14 +160,14 @@ def _matmuls_apart_from_full_size_adds():
             for node in graph.nodes:
                 if node.op != "call_function" or node.target is not aten.add.Tensor:
                     continue
-                if len(node.args) != 2 or node.kwargs:
+                if len(node.args) != 2 or node.kwargs.get("alpha", 1) != 1:
                     continue
                 for matmul, other in (node.args, node.args[::-1]):
                     if _is_node(matmul, aten.mm.default) and _has_full_shape(other, node):
                         matmul.meta[preserve] = True
 
         def uuid(self) -> str:
-            return f"mncore_device.matmuls_apart_from_full_size_adds.1.{preserve is not None}"
+            return f"mncore_device.matmuls_apart_from_full_size_adds.2.{preserve is not None}"
 
     return MatmulsApartFromFullSizeAdds()
 

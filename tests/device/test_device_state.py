@@ -376,3 +376,26 @@ def test_state_whose_new_value_is_another_states_old_value(context, preset):
         assert all(torch.equal(got[k], want[k]) for k in want)
     context.synchronize()
     assert torch.equal(module.a, reference.a) and torch.equal(module.b, reference.b)
+
+
+@pytest.mark.parametrize("alpha, apart", [(None, True), (1.0, True), (0.5, False)])
+def test_o1_keeps_a_weight_gradient_matmul_apart_from_its_momentum_add(alpha, apart):
+    """torch.optim.SGD adds the gradient to the momentum with `alpha=1 - dampening` (1.0):
+    that add must still be kept out of Inductor's addmm fusion (which would copy the momentum
+    term into a new weight-sized buffer each step); a scaled add is another op, left alone."""
+    from torch._higher_order_ops.flex_gemm import _PRESERVE_FLEX_GEMM_GEMM_OP as preserve
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from mncore_device.executors import _matmuls_apart_from_full_size_adds
+
+    kwargs = {} if alpha is None else {"alpha": alpha}
+
+    def update(momentum, grad_out, x):
+        return momentum.mul(0.9).add(grad_out.t() @ x, **kwargs)
+
+    gm = make_fx(update, tracing_mode="fake")(
+        torch.ones(8, 16), torch.ones(4, 8), torch.ones(4, 16)
+    )
+    _matmuls_apart_from_full_size_adds()(gm.graph)
+    (matmul,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default]
+    assert matmul.meta.get(preserve, False) is apart
