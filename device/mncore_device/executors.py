@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from ._source import user_frame_from_stack_trace
 from .errors import NonFiniteError
@@ -45,6 +46,7 @@ def build_executor(
     if preset.executor == "interpreter":
         if preset.check_finite:
             return lambda args: _FiniteCheckingInterpreter(gm).run(*args)
+        _LazyGraphModule.force_recompile(gm)  # its Python code, now rather than on the first call
         return lambda args: gm(*args)
     return _compile_with_inductor(
         gm, preset, example_args, cache_dir, compile_threads, list(mutated_inputs)
@@ -130,7 +132,7 @@ def _updating_state_in_place(gm: fx.GraphModule, mutated: Sequence[int]) -> fx.G
     for index, value in zip(mutated, results[n_outputs:], strict=True):
         graph.call_function(aten.copy_.default, (placeholders[index], value))
     graph.output(tuple(results[:n_outputs]))
-    return fx.GraphModule(gm, graph)
+    return _LazyGraphModule(gm, graph)  # Inductor reads the graph, never its Python code
 
 
 def _matmuls_apart_from_full_size_adds():

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 GRAPH_FORMAT = "mncore_device.graph/1"
 
@@ -150,7 +151,7 @@ def graph_from_json(data: Any) -> fx.GraphModule:
     if outputs != 1:
         raise GraphFormatError(f"a graph has one output node, found {outputs}")
     graph.lint()
-    return fx.GraphModule(torch.nn.Module(), graph)
+    return _LazyGraphModule(torch.nn.Module(), graph)  # its Python code made on first use
 
 
 def resolve_target(target: Any) -> Any:

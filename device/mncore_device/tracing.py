@@ -31,6 +31,7 @@ import torch.fx as fx
 from torch._decomp import decompositions
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.fx import traceback as fx_traceback
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental import proxy_tensor
 from torch.fx.experimental.proxy_tensor import (
     disable_proxy_modes_tracing,
@@ -152,7 +153,10 @@ def trace_step(
         output_specs.update((k, TensorSpec.of(v)) for k, v in _check_outputs(result).items())
         return tuple(result[k] for k in output_specs)
 
-    with _rng_preserved(), _one_metadata_fake_mode():
+    # Lazy GraphModules (as TorchInductor uses): the passes below each end with recompile(),
+    # which for a large graph means generating and exec'ing thousands of lines of Python;
+    # lazily, the code is generated once, if and when something calls or prints the graph.
+    with _rng_preserved(), _one_metadata_fake_mode(), _use_lazy_graph_module(True):
         with _restored(reg_tensors, optimizers, guard), _no_node_values():
             gm = make_fx(flat_step, _DECOMPOSITIONS, tracing_mode="real")(*reg_tensors, *inputs)
         gm = _strip_profiler_ops(gm)

@@ -192,3 +192,33 @@ def test_o1_computes_an_add_with_alpha_after_a_matmul_as_eager(context):
     batch = {"w": torch.randn(4, 3), "x": torch.randn(5, 3), "y": torch.randn(5, 4)}
     compiled = context.compile(step, batch, options={"option_json": "O1"})
     torch.testing.assert_close(compiled(batch)["out"], step(batch)["out"], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("preset, generated", [("O0", 1), ("debug", 0)])
+def test_a_compile_generates_the_graphs_python_code_at_most_once(
+    context, monkeypatch, preset, generated
+):
+    """Each graph pass used to regenerate the whole graph's Python code (seconds for a large
+    model): now only the O0 executor, which runs that code, has it generated, once."""
+    calls = []
+    real = torch.fx.GraphModule.recompile
+    monkeypatch.setattr(
+        torch.fx.GraphModule, "recompile", lambda self: calls.append(1) or real(self)
+    )
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    register(context, model, optimizer)
+
+    def step(batch):
+        optimizer.zero_grad()
+        loss = model(batch["x"]).square().mean()
+        loss.backward()
+        optimizer.step()
+        return {"loss": loss}
+
+    batch = {"x": torch.randn(5, 3)}
+    compiled = context.compile(step, batch, options={"option_json": preset})
+    assert len(calls) == generated
+    expected = model(batch["x"]).square().mean()
+    torch.testing.assert_close(compiled(batch)["loss"], expected)
+    assert len(calls) == generated
