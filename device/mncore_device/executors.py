@@ -78,10 +78,15 @@ def _compile_with_inductor(
     options.update(preset.inductor_options)
     if compile_threads is not None:
         options["compile_threads"] = int(compile_threads)
-    if example_args and example_args[0].device.type != "cuda":
+    if example_args and example_args[0].device.type == "cuda":
+        options.pop(
+            "cpp_wrapper", None
+        )  # pfvm:cuda keeps the Python wrapper: a C++ one is untested there
+    else:
         options.pop("triton.cudagraphs", None)
-    elif example_args:  # pfvm:cuda keeps the Python wrapper: a C++ one is untested there
-        options.pop("cpp_wrapper", None)
+        limit = preset.cpp_wrapper_max_ops
+        if limit is not None and sum(n.op == "call_function" for n in gm.graph.nodes) <= limit:
+            options["cpp_wrapper"] = True
     if _KEEP_MATMULS_APART:
         options["post_grad_custom_pre_pass"] = _matmuls_apart_from_full_size_adds()
     _scale_before_adding(gm)

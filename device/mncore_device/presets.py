@@ -23,6 +23,11 @@ class Preset:
     check_finite: bool = False
     inductor_mode: str = "default"
     inductor_options: dict[str, Any] = field(default_factory=dict)
+    # On the CPU, graphs of at most this many operations get Inductor's C++ wrapper, built
+    # with all their kernels as one library: one compiler run instead of one per kernel.
+    # Larger graphs keep the Python wrapper, whose kernels compile in parallel (that one
+    # library is a single, serial compiler run). None: as inductor_options say.
+    cpp_wrapper_max_ops: int | None = None
     description: str = ""
 
     def to_json(self) -> dict[str, Any]:

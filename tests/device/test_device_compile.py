@@ -222,3 +222,30 @@ def test_a_compile_generates_the_graphs_python_code_at_most_once(
     expected = model(batch["x"]).square().mean()
     torch.testing.assert_close(compiled(batch)["loss"], expected)
     assert len(calls) == generated
+
+
+@pytest.mark.parametrize("limit, cpp_wrapper", [(1000, True), (2, False)])
+def test_inductor_presets_give_small_graphs_the_cpp_wrapper(
+    context, tmp_path, monkeypatch, limit, cpp_wrapper
+):
+    """On the CPU, a graph of at most `cpp_wrapper_max_ops` operations is built with Inductor's
+    C++ wrapper (one compiler run); a larger one keeps the Python wrapper, whose kernels
+    compile in parallel."""
+    import json
+
+    import torch._inductor.compile_fx as inductor
+
+    patches = []
+    monkeypatch.setattr(
+        inductor, "compile_fx", lambda gm, args, config_patches: patches.append(config_patches)
+    )
+    preset = json.loads(preset_path("O1").read_text())
+    assert preset["cpp_wrapper_max_ops"] == 1000 and "cpp_wrapper" not in preset["inductor_options"]
+    preset["cpp_wrapper_max_ops"] = limit
+    (tmp_path / "preset.json").write_text(json.dumps(preset))
+
+    def step(batch):  # three operations: mul, add, sum
+        return {"out": (batch["x"] * 2 + 1).sum()}
+
+    context.compile(step, {"x": torch.ones(3)}, options={"option_json": tmp_path / "preset.json"})
+    assert patches[-1].get("cpp_wrapper", False) is cpp_wrapper
