@@ -79,9 +79,8 @@ def _compile_with_inductor(
     if compile_threads is not None:
         options["compile_threads"] = int(compile_threads)
     if example_args and example_args[0].device.type == "cuda":
-        options.pop(
-            "cpp_wrapper", None
-        )  # pfvm:cuda keeps the Python wrapper: a C++ one is untested there
+        # pfvm:cuda keeps the Python wrapper: a C++ one is untested there
+        options.pop("cpp_wrapper", None)
     else:
         options.pop("triton.cudagraphs", None)
         limit = preset.cpp_wrapper_max_ops

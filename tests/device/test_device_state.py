@@ -399,3 +399,30 @@ def test_o1_keeps_a_weight_gradient_matmul_apart_from_its_momentum_add(alpha, ap
     _matmuls_apart_from_full_size_adds()(gm.graph)
     (matmul,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default]
     assert matmul.meta.get(preserve, False) is apart
+
+
+@pytest.mark.parametrize("cpp_wrapper_max_ops", [1000, 0], ids=["cpp_wrapper", "python_wrapper"])
+def test_o1_trains_as_eager_with_either_inductor_wrapper(context, tmp_path, cpp_wrapper_max_ops):
+    """O1 gives a graph of up to `cpp_wrapper_max_ops` operations the C++ wrapper and a
+    larger one the Python wrapper: both train a torch.optim.SGD momentum step as eager does."""
+    import json
+
+    from mncore_device import preset_path
+
+    preset = json.loads(preset_path("O1").read_text())
+    preset["cpp_wrapper_max_ops"] = cpp_wrapper_max_ops
+    (tmp_path / "O1.json").write_text(json.dumps(preset))
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    reference = twin(model)
+    optimizer = make_sgd(model.parameters(), 0.1, 0.9)
+    register(context, model, optimizer)
+    batches = classification_batches(4, 8, 6, 3)
+    step = training_step(model, optimizer, cross_entropy)
+    compiled = context.compile(step, batches[0], options={"option_json": tmp_path / "O1.json"})
+    losses = device_train(compiled, batches)
+    expected = eager_train(
+        reference, make_sgd(reference.parameters(), 0.1, 0.9), cross_entropy, batches
+    )
+    context.synchronize()
+    torch.testing.assert_close(losses, expected, rtol=0, atol=1e-5)
+    assert_state_close(model, reference, atol=1e-5)

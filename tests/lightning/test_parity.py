@@ -72,3 +72,29 @@ def test_mncore_matches_cpu(model_kwargs):
         assert int(bn.num_batches_tracked) == 9
         assert bn.running_mean.abs().max() > 1e-3
         assert not torch.allclose(bn.running_var, torch.ones_like(bn.running_var))
+
+
+@pytest.mark.parametrize("cpp_wrapper_max_ops", [1000, 0], ids=["cpp_wrapper", "python_wrapper"])
+def test_mncore_o1_matches_cpu(cpp_wrapper_max_ops, tmp_path, monkeypatch):
+    """At O1 (TorchInductor: fused kernels, state updated in place, the matmul kept apart from
+    the momentum add) the SGD-momentum MLP matches cpu too, with either Inductor wrapper: the
+    C++ one (graphs of up to `cpp_wrapper_max_ops` operations) and the Python one."""
+    import json
+
+    from mncore_device import preset_path
+
+    preset = json.loads(preset_path("O1").read_text())
+    preset["cpp_wrapper_max_ops"] = cpp_wrapper_max_ops
+    (tmp_path / "O1.json").write_text(json.dumps(preset))
+    monkeypatch.setenv("MNCORE_PRESET", str(tmp_path / "O1.json"))
+    model_kwargs = CASES["mlp-sgd-momentum"]
+    cpu_trainer, cpu_model, cpu = _run("cpu", model_kwargs)
+    mn_trainer, mn_model, mn = _run("mncore", model_kwargs)
+
+    assert mn_trainer.strategy.preset == str(tmp_path / "O1.json")
+    assert len(cpu.losses) == len(mn.losses) == 3 * 3
+    torch.testing.assert_close(torch.stack(mn.losses), torch.stack(cpu.losses), atol=ATOL, rtol=0)
+    assert_state_close(mn_model, cpu_model)
+    assert_optimizer_state_close(mn_trainer.optimizers[0], cpu_trainer.optimizers[0])
+    for mn_metrics, cpu_metrics in zip(mn.epoch_metrics, cpu.epoch_metrics, strict=True):
+        assert_metrics_close(mn_metrics, cpu_metrics)
