@@ -9,6 +9,11 @@ The tutorial MLP of bench_lightning.py (1024-256-10, batch 64, shuffled DataLoad
   - mncore: accelerator="mncore", O1, and mncore-k8 with steps_per_call=8,
   - mncore-nograph: mncore O1 with the compiled graph replaced, after the first epoch, by its
     cached outputs: the DataLoader, Lightning's loop and the strategy, without the graph.
+  - mncore-stream: mncore-nograph that, in place of the graph, reads and writes a copy of
+    every graph input once (the bytes the graph streams, without its arithmetic): how much
+    the graph's memory traffic alone slows the Python around it.
+The mncore configuration also times its graph's executor inside the fit, so the report splits
+what the graph adds to a step into the graph itself and the slower Python around it.
 Each round runs every configuration once (a fit of `--epochs` epochs of 100 steps; the first
 epoch, which compiles, is not timed); the report is the median over rounds of each
 configuration's median steady epoch, in microseconds per step. One process, interleaved, so
@@ -31,7 +36,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_lightning as bl  # noqa: E402
 
-CONFIGS = ("data", "eager", "cpu", "cpu-floor", "mncore-nograph", "mncore", "mncore-k8")
+CONFIGS = (
+    "data",
+    "eager",
+    "cpu",
+    "cpu-floor",
+    "mncore-nograph",
+    "mncore-stream",
+    "mncore",
+    "mncore-k8",
+)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -53,20 +67,42 @@ def main(argv: list[str] | None = None) -> dict:
     loader = bl._data()
     mlp = bl._module_cls()
 
-    class NoGraph(L.Callback):
-        """From the second epoch on, the compiled graph returns the outputs of its next call."""
+    executor_us: list[float] = []  # the graph's executor, timed inside the mncore fits
+    stream_us: list[float] = []  # mncore-stream's pass over the inputs' copies
+
+    class Executor(L.Callback):
+        """From the second epoch on, wraps the compiled graph's executor: timed (as is), or
+        replaced by the outputs of its next call (`stream`: plus one pass over a copy of every
+        input, the bytes the graph reads and writes)."""
+
+        def __init__(self, mode: str) -> None:
+            self.mode = mode
 
         def on_train_epoch_end(self, trainer, pl_module):
-            if trainer.current_epoch == 0:
-                compiled = trainer.strategy._train_hook.compiled
-                executor, cached = compiled._executor, []
+            if trainer.current_epoch != 0:
+                return
+            compiled = trainer.strategy._train_hook.compiled
+            executor, cached, scratch = compiled._executor, [], []
 
-                def replay(args):
-                    if not cached:
-                        cached.append(executor(args))
-                    return cached[0]
+            def timed(args):
+                start = time.perf_counter()
+                outputs = executor(args)
+                executor_us.append((time.perf_counter() - start) * 1e6)
+                return outputs
 
-                compiled._executor = replay
+            def replay(args):
+                if not cached:
+                    cached.append(executor(args))
+                    if self.mode == "stream":
+                        scratch.extend(a.clone() for a in args if a.is_floating_point())
+                if scratch:
+                    start = time.perf_counter()
+                    for tensor in scratch:
+                        tensor.mul_(1.0)
+                    stream_us.append((time.perf_counter() - start) * 1e6)
+                return cached[0]
+
+            compiled._executor = timed if self.mode == "timed" else replay
 
     def fit(model, callbacks=(), **kwargs) -> float:
         timer = bl._EpochTimer(loader)
@@ -90,8 +126,9 @@ def main(argv: list[str] | None = None) -> dict:
                 pass
         return (time.perf_counter() - start) / args.epochs / bl.STEPS_PER_EPOCH * 1e6
 
-    def mncore(k: int = 1, callbacks=()) -> float:
+    def mncore(k: int = 1, executor: str = "timed") -> float:
         strategy = mncore_lightning.MNCoreStrategy(device="pfvm:cpu", preset="O1", steps_per_call=k)
+        callbacks = [Executor(executor)] if k == 1 else []
         return fit(mlp(), callbacks, accelerator="mncore", strategy=strategy)
 
     runs = {
@@ -99,7 +136,8 @@ def main(argv: list[str] | None = None) -> dict:
         "eager": lambda: 1e6 / bl._run_eager(mlp(), loader, args.epochs)["steps_per_second"],
         "cpu": lambda: fit(mlp(), accelerator="cpu"),
         "cpu-floor": lambda: fit(bl._floor_module(), accelerator="cpu"),
-        "mncore-nograph": lambda: mncore(callbacks=[NoGraph()]),
+        "mncore-nograph": lambda: mncore(executor="replay"),
+        "mncore-stream": lambda: mncore(executor="stream"),
         "mncore": mncore,
         "mncore-k8": lambda: mncore(8),
     }
@@ -123,6 +161,19 @@ def main(argv: list[str] | None = None) -> dict:
         # what a step's graph may take for the step to reach 2x cpu, all else as measured
         report["graph_budget_for_2x_cpu_us"] = round(us["cpu"] / 2 - us["mncore-nograph"], 1)
         report["graph_in_fit_us"] = round(us["mncore"] - us["mncore-nograph"], 1)
+    if executor_us and "mncore" in us:
+        # what the graph adds to a step: its executor, and the Python around it run slower
+        report["executor_in_fit_us"] = round(statistics.median(executor_us), 1)
+        if "mncore-nograph" in us:
+            report["python_slowdown_in_fit_us"] = round(
+                us["mncore"] - us["mncore-nograph"] - report["executor_in_fit_us"], 1
+            )
+    if stream_us and "mncore-nograph" in us:
+        # the same split for the memory stream that stands in for the graph
+        report["stream_in_fit_us"] = round(statistics.median(stream_us), 1)
+        report["python_slowdown_from_stream_us"] = round(
+            us["mncore-stream"] - us["mncore-nograph"] - report["stream_in_fit_us"], 1
+        )
     print(json.dumps({k: v for k, v in report.items() if k != "us_per_step_all"}, indent=1))
     out = args.out or f"benchmarks/results/fit_floor_{args.threads}thread.json"
     Path(out).parent.mkdir(parents=True, exist_ok=True)
