@@ -24,6 +24,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from .side_effects import is_metric
 
 CARRY_PREFIX = "carry/"
+_MISSING = object()
 
 # nn.Module's own bookkeeping (its _buffers dict holds tensors, but they are registered
 # state), and attributes of Lightning's own that hold tensors but are no state of the step.
@@ -35,23 +36,22 @@ def _is_state_tensor(value: Any) -> bool:
 
 
 def _tensor_tree(value: Any) -> tuple[list[torch.Tensor], TreeSpec] | None:
-    """A tensor, or a flat tuple/dict of tensors (an LSTM's (h, c)): leaves and spec. Lists
-    are not carried: appending to them is a side effect, replayed (side_effects).
+    """A tensor, or a tuple/dict (nested or not) of tensors (an LSTM's (h, c), running
+    statistics by name): leaves and spec. Lists are not carried: appending to them is a side
+    effect, replayed (side_effects).
 
-    Checked for every attribute of every module at every step, so the common cases (not a
-    tensor, an empty or non-tensor container) return before any flattening.
+    Checked for every attribute of every module when the carried signature is scanned, so
+    the common cases (not a tensor, not a tuple or dict, an empty one) return before any
+    flattening.
     """
     if isinstance(value, torch.Tensor):
         return ([value], tree_flatten(value)[1]) if _is_state_tensor(value) else None
-    if isinstance(value, dict):
-        items = value.values()
-    elif isinstance(value, tuple):
-        items = value
-    else:
+    if type(value) not in (dict, tuple) or not value:
         return None
-    if not items or not all(_is_state_tensor(item) for item in items):
+    leaves, spec = tree_flatten(value)
+    if not all(_is_state_tensor(leaf) for leaf in leaves):
         return None
-    return tree_flatten(value)
+    return leaves, spec
 
 
 def tensor_attributes(root: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, str, Any]]:
@@ -107,6 +107,13 @@ class CarriedState:
     def bind(self, graph_inputs: Mapping[str, torch.Tensor]) -> None:
         """While tracing: the modules' attributes are the graph's inputs."""
         self._before = {id(m): dict(vars(m)) for m in self.root.modules()}
+        # a dict the step fills in place (`self.stats["loss"] = ...`): its contents, to restore
+        self._dict_contents = [
+            (value, dict(value))
+            for m in self.root.modules()
+            for name, value in vars(m).items()
+            if type(value) is dict and name not in _NOT_CARRIED
+        ]
         self._buffers = {
             (id(m), name): (m, name, b)
             for m in self.root.modules()
@@ -117,7 +124,7 @@ class CarriedState:
             leaves, spec = tree_flatten(value)
             bound = tree_unflatten([graph_inputs[f"{key}/{i}"] for i in range(len(leaves))], spec)
             object.__setattr__(module, name, bound)
-            self._bound[key] = (bound, [t._version for t in tree_flatten(bound)[0]])
+            self._bound[key] = (bound, [(t, t._version) for t in tree_flatten(bound)[0]])
 
     def capture(self) -> dict[str, torch.Tensor]:
         """While tracing, after the step: the attributes it assigned or changed in place.
@@ -136,8 +143,11 @@ class CarriedState:
         for key, (module, name, value) in tensor_attributes(self.root).items():
             leaves, spec = tree_flatten(value)
             bound = self._bound.get(key)
-            if bound is not None and value is bound[0]:
-                if [t._version for t in leaves] == bound[1]:
+            if bound is not None and value is bound[0] and len(leaves) == len(bound[1]):
+                # the same container: unchanged only if it holds the same tensors, unchanged
+                # (`self.stats["sum"] = self.stats["sum"] + x` replaces a leaf)
+                same = zip(leaves, bound[1], strict=True)
+                if all(t is old and t._version == v for t, (old, v) in same):
                     continue
             self.assigned[key] = (module, name, spec, len(leaves))
             outputs.update((f"{key}/{i}", t.detach()) for i, t in enumerate(leaves))
@@ -145,6 +155,14 @@ class CarriedState:
 
     def restore(self) -> None:
         """After tracing: the trace was no step; the attributes get their values back."""
+        for container, contents in self._dict_contents:  # tensors put into dicts
+            for key in [*container.keys() - contents.keys(), *contents]:
+                old, new = contents.get(key, _MISSING), container.get(key, _MISSING)
+                if old is not new and (_is_state_tensor(old) or _is_state_tensor(new)):
+                    if old is _MISSING:
+                        del container[key]
+                    else:
+                        container[key] = old
         for module, name, _, _ in self.assigned.values():
             before = self._before[id(module)]
             if name in before:

@@ -35,7 +35,8 @@ from mncore_device import CompiledFunction, Context
 
 from .carried_state import CarriedState
 from .optimizers import LiveHyperparameter, live_hyperparameters
-from .side_effects import MetricValue, SideEffects, is_metric
+from .python_values import PythonValues, refuse_writes
+from .side_effects import MetricValue, Packed, SideEffects, is_metric
 from .step_counters import (
     COUNTER_PREFIX,
     COUNTERS,
@@ -274,29 +275,18 @@ def shape_change(compiled: Any, inputs: Mapping[str, torch.Tensor]) -> str | Non
 
 
 class _Returned:
-    """What a hook returned: tensors become graph outputs, the rest is kept as is."""
+    """What a hook returned, as graph outputs and the rest (side_effects.Packed)."""
 
     def __init__(self) -> None:
-        self.spec: TreeSpec | None = None
-        self.fixed: dict[int, Any] = {}
-        self.n_leaves = 0
+        self.packed: Packed | None = None
 
     def capture(self, value: Any) -> dict[str, torch.Tensor]:
-        leaves, self.spec = tree_flatten(value)
-        self.n_leaves = len(leaves)
-        self.fixed = {i: v for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor)}
-        return {
-            f"{OUTPUT_PREFIX}{i}": v.detach()
-            for i, v in enumerate(leaves)
-            if isinstance(v, torch.Tensor)
-        }
+        outputs: dict[str, torch.Tensor] = {}
+        self.packed = Packed(value, OUTPUT_PREFIX, outputs)
+        return outputs
 
     def rebuild(self, outputs: Mapping[str, torch.Tensor]) -> Any:
-        leaves = [
-            self.fixed[i] if i in self.fixed else outputs[f"{OUTPUT_PREFIX}{i}"]
-            for i in range(self.n_leaves)
-        ]
-        return tree_unflatten(leaves, self.spec)
+        return self.packed.rebuild(outputs)
 
 
 class CompiledHook:
@@ -314,8 +304,10 @@ class CompiledHook:
         extra_args: tuple,
         effects: SideEffects,
         used_counters: frozenset[str],
+        python_values: PythonValues,
     ) -> None:
         self.compiled = compiled
+        self.python_values = python_values  # the Python values the graph was traced for
         self.effects = effects
         self.used_counters = used_counters  # the counters the graph computes with
         self.carried = carried
@@ -386,6 +378,7 @@ def compile_hook(
     returned = _Returned()
     gradient_params: dict[str, torch.Tensor] = {}
     carried = CarriedState(module)
+    values = PythonValues(module)
     effects = SideEffects(module, recorder)
     used: set[str] = set()  # the counters the graph computes with
     user_hook = getattr(module, hook_name)
@@ -517,7 +510,11 @@ def compile_hook(
     try:
         # Anomaly mode records Python tracebacks per op and checks values on the host, which a
         # static graph cannot do; the debug preset checks every op for NaN/inf instead.
-        with torch.inference_mode(False), torch.autograd.set_detect_anomaly(False):
+        with (
+            torch.inference_mode(False),
+            torch.autograd.set_detect_anomaly(False),
+            values.reading(),
+        ):
             compiled = context.compile(
                 step,
                 {**inputs, **counter_inputs(counters), **carried.inputs()},
@@ -527,6 +524,8 @@ def compile_hook(
             )
     finally:
         carried.restore()
+        written = values.settle()
+    refuse_writes(hook_name, written)
     if steps is not None and (effects.appends or not all(map(_plain_log, recorder.calls))):
         raise MisconfigurationException(
             f"MNCoreStrategy(steps_per_call={steps}) cannot run a training_step that updates "
@@ -544,6 +543,7 @@ def compile_hook(
         extra_args,
         effects,
         frozenset(used),
+        values,
     )
     return compiled_hook, inputs
 

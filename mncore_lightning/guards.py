@@ -3,8 +3,10 @@
 A step is traced once; what it depends on in Python is recorded here and compared at batch
 boundaries: the module's structure (its parameters and buffers, their names, forward hooks and
 parametrizations), which parameters are trainable and how the optimizers group them, which
-submodules are frozen in another mode than the module (`backbone.eval()`), and the carried tensors (carried_state.py). A change makes the
-strategy trace again, and the reason is reported in these words.
+optimizer options the update branched on (a zero weight decay, nesterov), which submodules are
+frozen in another mode than the module (`backbone.eval()`), and the carried tensors
+(carried_state.py). A change makes the strategy trace again, and the reason is reported in
+these words.
 """
 
 from __future__ import annotations
@@ -32,7 +34,27 @@ def structure_of(module: torch.nn.Module, optimizers: list[Any]) -> dict[str, An
             for optimizer in optimizers
             for group in optimizer.param_groups
         ),
+        "optimizer options": tuple(
+            f"optimizer {i} group {j}: {option}"
+            for i, optimizer in enumerate(optimizers)
+            for j, group in enumerate(optimizer.param_groups)
+            for option in _options(group)
+        ),
     }
+
+
+def _options(group: dict[str, Any]) -> list[str]:
+    """What an optimizer's update branches on while it is traced: its flags (nesterov,
+    maximize, amsgrad) and which numeric hyperparameters are zero (a term such as weight
+    decay or momentum is left out of the graph when it is). Their values (other than zero)
+    are graph inputs: changing them needs no new trace."""
+    options = []
+    for key, value in group.items():
+        if isinstance(value, bool):
+            options.append(f"{key}={value}")
+        elif isinstance(value, (int, float)) and key not in ("lr", "initial_lr"):
+            options.append(f"{key}{'=0' if value == 0 else '!=0'}")
+    return sorted(options)
 
 
 def describe_change(before: dict[str, Any], after: dict[str, Any]) -> str:

@@ -34,6 +34,8 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from mncore_device import StaticGraphError
 from mncore_device._source import user_frame
 
+from .step_counters import LiveCounter
+
 EFFECT_PREFIX = "effect/"
 
 _METRIC_METHODS = ("forward", "update", "compute", "reset")
@@ -112,20 +114,25 @@ _HARMLESS = {
 }
 
 
-class _Packed:
-    """A pytree recorded while tracing: tensor leaves become graph outputs, stand-ins are
-    resolved on replay, anything else is kept as a constant."""
+class Packed:
+    """A pytree recorded while tracing (a returned value, an appended item, a metric call's
+    arguments): tensor leaves become graph outputs, step counters graph outputs that come back
+    as Python ints (their value at each call), stand-ins are resolved on replay, anything else
+    is kept as a constant."""
 
     def __init__(self, tree: Any, prefix: str, outputs: dict[str, torch.Tensor]) -> None:
         leaves, self.spec = tree_flatten(tree)
         self.leaves: list[tuple[str, Any]] = []
         for i, leaf in enumerate(leaves):
+            key = f"{prefix}{i}"
             if isinstance(leaf, MetricValue):
                 self.leaves.append(("stand_in", leaf))
             elif isinstance(leaf, torch.Tensor):
-                key = f"{prefix}{i}"
                 outputs[key] = leaf.detach()
                 self.leaves.append(("output", key))
+            elif isinstance(leaf, LiveCounter):
+                outputs[key] = leaf.live().clone()
+                self.leaves.append(("counter", key))
             else:
                 self.leaves.append(("constant", leaf))
 
@@ -134,6 +141,8 @@ class _Packed:
         for kind, value in self.leaves:
             if kind == "output":
                 leaves.append(outputs[value])
+            elif kind == "counter":
+                leaves.append(int(outputs[value]))
             elif kind == "stand_in":
                 leaves.append(value.host_value())
             else:
@@ -150,7 +159,7 @@ class _MetricCall:
     Lives in `LogRecorder.calls`, so metric calls and `self.log` calls replay in the order
     the step made them."""
 
-    def __init__(self, name: str, metric: Any, method: str, args: _Packed) -> None:
+    def __init__(self, name: str, metric: Any, method: str, args: Packed) -> None:
         self.name = name
         self.metric = metric
         self.method = method
@@ -169,7 +178,7 @@ class _MetricCall:
 
 
 class _ListAppend:
-    def __init__(self, module: torch.nn.Module, name: str, item: _Packed) -> None:
+    def __init__(self, module: torch.nn.Module, name: str, item: Packed) -> None:
         self.module = module
         self.name = name
         self.item = item
@@ -280,7 +289,7 @@ class SideEffects:
             self._lists.clear()
 
     def _record_append(self, module: Any, name: str, item: Any) -> None:
-        self.appends.append(_ListAppend(module, name, _Packed(item, self._prefix(), self.outputs)))
+        self.appends.append(_ListAppend(module, name, Packed(item, self._prefix(), self.outputs)))
 
     def _patch(self, name: str, metric: Any) -> None:
         for method in _METRIC_METHODS:
@@ -301,7 +310,7 @@ class SideEffects:
     def _stand_in(self, name: str, metric: Any, method: str):
         def call(*args: Any, **kwargs: Any) -> Any:
             recorded = _MetricCall(
-                name, metric, method, _Packed((args, kwargs), self._prefix(), self.outputs)
+                name, metric, method, Packed((args, kwargs), self._prefix(), self.outputs)
             )
             self.recorder.calls.append(recorded)
             # the trace-time value, from a copy that sees the same calls: the host metric's

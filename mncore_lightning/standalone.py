@@ -27,6 +27,7 @@ _MIRRORED = (
     "precision",
     "data",
     "host_sync",
+    "python_values",
     "compiled_hooks",
     "strategy",
     "ddp",

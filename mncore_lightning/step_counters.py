@@ -1,17 +1,24 @@
 """Step counters read inside a compiled step follow their live values.
 
-`batch_idx`, `self.global_step` and `self.current_epoch` are Python ints that change every
-batch or epoch, but a compiled step is traced once. While tracing, each is a `LiveCounter`:
-arithmetic with it gives a tensor computed from a graph input that is fed the current value at
-every call (so a warm-up factor `step / 1000` follows the step), and `self.log` of it logs the
-current value. Python control flow on it (`if batch_idx == 0:`, `int(step)`) cannot follow the
-value and raises StaticGraphError at the user's line.
+`batch_idx`, `self.global_step` and `self.current_epoch` (and the trainer's `global_step` and
+`current_epoch`) are Python ints that change every batch or epoch, but a compiled step is
+traced once. While tracing, each is a `LiveCounter`: arithmetic with it, on either side of a
+Python number or a tensor, gives a tensor computed from a graph input that is fed the current
+value at every call (so a warm-up factor `step / 1000` or `1.0 + 0.1 * epoch` follows the
+step), indexing a tensor with it reads the live row, `torch.tensor(counter)` and
+`torch.as_tensor(counter)` give the live value, and `self.log` of it logs the current value.
+Whatever needs the Python int itself (`if batch_idx == 0:`, `int(step)`, `range(epoch)`,
+`math.sqrt(step)`) cannot follow the value and raises StaticGraphError at the user's line.
+
+A LiveCounter is deliberately not an `int` subclass: Python's own float and int arithmetic,
+and C code that reads an int's value directly, would take an int subclass as the plain number
+it was at trace time, silently.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -42,53 +49,64 @@ def counter_inputs(
     }
 
 
-class LiveCounter(int):
-    """A step counter while a step is traced: arithmetic follows the live value; control flow
-    on it raises."""
+class LiveCounter:
+    """A step counter while a step is traced: arithmetic follows the live value; anything
+    that needs the Python int raises."""
 
-    def __new__(
-        cls, value: int, name: str, tensor: torch.Tensor, used: set[str] | None = None
-    ) -> LiveCounter:
-        counter = super().__new__(cls, value)
-        counter.name = name
-        counter.tensor = tensor
-        counter.used = used if used is not None else set()
-        return counter
+    def __init__(
+        self, value: int, name: str, tensor: torch.Tensor, used: set[str] | None = None
+    ) -> None:
+        self.value = value  # at trace time: what printing it shows
+        self.name = name
+        self.tensor = tensor
+        self.used = used if used is not None else set()
+
+    def live(self) -> torch.Tensor:
+        """The graph input that holds this counter's value at each call."""
+        self.used.add(self.name)  # the graph reads this counter: feed its value at each call
+        return self.tensor
 
     def _static(self, *args: Any) -> Any:
         where = user_frame() or "<unknown location>"
         raise StaticGraphError(
-            f"Python control flow on {self.name} (it was {int.__repr__(self)} when the step was "
-            f"traced) at {where}. A compiled step is traced once, so a Python branch on a "
-            "counter would be frozen. Compute with it instead (arithmetic on it gives a tensor "
-            "that follows the live value: torch.where(step < n, a, b), "
+            f"Python code needs the value of {self.name} (it was {self.value} when the step "
+            f"was traced) at {where}. A compiled step is traced once, so a Python branch or "
+            "conversion on a counter would be frozen. Compute with it instead (arithmetic on "
+            "it gives a tensor that follows the live value: torch.where(step < n, a, b), "
             "torch.clamp(step / n, max=1.0)), or move the logic into a hook outside the step "
             "(on_train_batch_start)."
         )
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
-        """A torch op given a counter (`loss * 2 + batch_idx`: the tensor's own arithmetic,
-        which would otherwise take the counter as the plain int it was at trace time)
-        computes with its live tensor."""
+        """A torch op given a counter (`loss * 2 + batch_idx`, `table[step]`) computes with
+        its live tensor."""
+        if func is torch.Tensor.__getitem__ and isinstance(args[1], LiveCounter):
+            # a 0-d index tensor would be read as a Python int: select the row instead
+            return args[0].index_select(0, args[1].live().reshape(1)).squeeze(0)
         return func(*tree_map(_live_tensor, args), **tree_map(_live_tensor, kwargs or {}))
 
     __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = _static
-    __bool__ = __index__ = __int__ = __float__ = _static
-    __hash__ = int.__hash__
+    __bool__ = __index__ = __int__ = __float__ = __complex__ = __round__ = _static
+    __trunc__ = __floor__ = __ceil__ = _static
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
 
 
 def _live_tensor(value: Any) -> Any:
-    if isinstance(value, LiveCounter):
-        value.used.add(value.name)  # the graph reads this counter: feed it at each call
-        return value.tensor
-    return value
+    return value.live() if isinstance(value, LiveCounter) else value
 
 
 def _arithmetic(name: str):
     def method(self: LiveCounter, *args: Any) -> Any:
-        self.used.add(self.name)  # the graph reads this counter: feed its value at each call
-        return getattr(self.tensor, name)(*args)
+        return getattr(self.live(), name)(*tree_map(_live_tensor, args))
 
     method.__name__ = name
     return method
@@ -110,9 +128,49 @@ for _op in (
     "__pow__",
     "__rpow__",
     "__neg__",
+    "__pos__",
     "__abs__",
 ):
     setattr(LiveCounter, _op, _arithmetic(_op))
+
+
+def _has_counter(data: Any) -> bool:
+    if isinstance(data, (list, tuple)):
+        return any(_has_counter(item) for item in data)
+    return isinstance(data, LiveCounter)
+
+
+def _live_data(data: Any) -> torch.Tensor:
+    """`data` for torch.tensor, with each counter its live tensor (a list of numbers holding
+    a counter: one tensor, in the dtype torch.tensor would give the numbers)."""
+    if isinstance(data, LiveCounter):
+        return data.live()
+    items = [_live_data(item) if _has_counter(item) else torch.tensor(item) for item in data]
+    dtype = items[0].dtype
+    for item in items[1:]:
+        dtype = torch.promote_types(dtype, item.dtype)
+    return torch.stack([item.to(dtype) for item in items])
+
+
+def _counter_aware(factory: Callable[..., torch.Tensor], copy: bool) -> Callable:
+    """torch.tensor / torch.as_tensor, which read a Python number's value directly: given a
+    counter (or a list holding one), the live tensor instead."""
+
+    def wrapper(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if not _has_counter(data):
+            return factory(data, *args, **kwargs)
+        tensor = _live_data(data)
+        dtype = kwargs.get("dtype", args[0] if args else None)
+        tensor = tensor.to(dtype=dtype, device=kwargs.get("device"))
+        if kwargs.get("requires_grad"):
+            raise StaticGraphError(
+                f"torch.tensor(counter, requires_grad=True) at {user_frame()}: a step counter "
+                "has no gradient"
+            )
+        return tensor.clone() if copy else tensor
+
+    wrapper.__wrapped__ = factory
+    return wrapper
 
 
 _LIVE_CLASSES: dict[type, type] = {}
@@ -140,12 +198,21 @@ def _live_class(cls: type) -> type:
 
 @contextlib.contextmanager
 def live_counters(module: Any, counters: dict[str, LiveCounter]) -> Iterator[None]:
-    """While tracing: `module.global_step` and `module.current_epoch` are live counters."""
-    cls = type(module)
-    module.__dict__["_live_counters"] = counters
-    module.__class__ = _live_class(cls)
+    """While tracing: `global_step` and `current_epoch` of the module and of its trainer are
+    live counters, and torch.tensor / torch.as_tensor take a counter's live value."""
+    trainer = getattr(module, "_trainer", None)
+    owners = [owner for owner in (module, trainer) if owner is not None]
+    classes = [type(owner) for owner in owners]
+    factories = torch.tensor, torch.as_tensor
+    for owner, cls in zip(owners, classes, strict=True):
+        owner.__dict__["_live_counters"] = counters
+        owner.__class__ = _live_class(cls)
+    torch.tensor = _counter_aware(factories[0], copy=True)
+    torch.as_tensor = _counter_aware(factories[1], copy=False)
     try:
         yield
     finally:
-        module.__class__ = cls
-        del module.__dict__["_live_counters"]
+        torch.tensor, torch.as_tensor = factories
+        for owner, cls in zip(owners, classes, strict=True):
+            owner.__class__ = cls
+            del owner.__dict__["_live_counters"]

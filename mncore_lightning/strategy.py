@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -243,6 +243,24 @@ class CompiledSteps:
         Context.switch_context(self.context)
         self._register_state()
         self._retrace("the compiled steps", describe_change(before, after))
+
+    def _check_python_values(self) -> None:
+        """After a user hook ran: compiled steps traced for Python values that changed since
+        (`self.scale` set in a hook, a callback's `dropout.p`) are dropped, and traced again
+        when next called, as on cpu the next step computes with the new values."""
+        for key, hook in list(self._train_hooks.items()):
+            change = hook.python_values.changed()
+            if change:
+                del self._train_hooks[key]
+                if hook is self._train_hook:
+                    self._train_hook = None
+                    self._retrace("training_step", change)
+        for stage, hooks in self._eval_hooks.items():
+            changes = [(hook, hook.python_values.changed()) for hook in hooks]
+            self._eval_hooks[stage] = [hook for hook, change in changes if not change]
+            reason = next((change for _, change in changes if change), None)
+            if reason and stage == self._stage():
+                self._retrace(f"the {stage} steps", reason)
 
     def _retrace(self, what: str, reason: str) -> None:
         """Count and report one re-trace; past `max_retraces` in a stage, refuse."""
@@ -523,6 +541,7 @@ class CompiledSteps:
             self.user_hook_ran = False
             self._carried = None  # a hook may have set or cleared a carried tensor
             self._check_structure()
+            self._check_python_values()
             if not self._device_is_newer:
                 self.context.load_from_host()
                 self._host_versions.record()
@@ -567,6 +586,18 @@ class CompiledSteps:
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         self.synchronize()
         return super().optimizer_state(optimizer)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        self.synchronize()  # see load_optimizer_state_dict
+        super().load_model_state_dict(checkpoint, strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """A checkpoint loaded mid-fit (the learning-rate finder restores the weights it started
+        from): the host is brought up to date first, so that the loaded values are host edits,
+        pushed to the device before the next compiled call, and no later synchronization
+        writes the device's older values over them."""
+        self.synchronize()
+        super().load_optimizer_state_dict(checkpoint)
 
     def on_exception(self, exception: BaseException) -> None:
         self.synchronize()

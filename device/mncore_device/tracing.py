@@ -20,11 +20,14 @@ traced, `torch.compiler.is_compiling()` is true, so libraries take their tracing
 from __future__ import annotations
 
 import contextlib
+import importlib
 import operator
+import sys
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -148,7 +151,13 @@ def trace_step(
 
     def flat_step(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         batch = dict(zip(input_keys, args[len(reg_tensors) :], strict=True))
-        with _compiling(), _TracingSafeFunctions(), guard, _autocast(args, autocast_dtype):
+        with (
+            _compiling(),
+            _TracingSafeFunctions(guard),
+            guard,
+            _autocast(args, autocast_dtype),
+            _host_random_refused(),
+        ):
             result = function(batch)
         output_specs.update((k, TensorSpec.of(v)) for k, v in _check_outputs(result).items())
         return tuple(result[k] for k in output_specs)
@@ -239,6 +248,13 @@ class _TraceGuard(TorchDispatchMode):
                 self.overwritten.add(StorageWeakRef(value.untyped_storage()))
         self._record_source(result, tracer)
         return result
+
+    def check_host_read(self, tensor: torch.Tensor, what: str) -> None:
+        """A host read that bypasses dispatch (.tolist()): refused as _DATA_DEPENDENT_OPS
+        are, unless the tensor is a constant or not traced."""
+        mode = get_proxy_mode()
+        if mode is not None and _is_traced(tensor, mode.tracer) and not self._is_constant(tensor):
+            self._refuse(what)
 
     def _is_constant(self, tensor: torch.Tensor) -> bool:
         return (
@@ -361,12 +377,96 @@ def _one_hot(tensor, num_classes=-1):
 class _TracingSafeFunctions(TorchFunctionMode):
     """Functions whose eager kernel checks values on the host although the result's shape is
     known run torch's own tracing-safe decomposition instead, so the check does not stop a
-    step."""
+    step. Host copies of a traced tensor (.tolist(), .numpy()), which read its values without
+    going through dispatch, are refused as .item() is (see _TraceGuard)."""
 
     _REPLACEMENTS = {torch.nn.functional.one_hot: _one_hot}
+    _HOST_COPIES = {
+        torch.Tensor.tolist: "copies a tensor's values to Python (.tolist())",
+        torch.Tensor.numpy: "copies a tensor's values to NumPy (.numpy())",
+        torch.Tensor.__array__: "copies a tensor's values to NumPy (np.asarray(t))",
+    }
+
+    def __init__(self, guard: _TraceGuard) -> None:
+        super().__init__()
+        self.guard = guard
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self._HOST_COPIES:
+            self.guard.check_host_read(args[0], self._HOST_COPIES[func])
         return self._REPLACEMENTS.get(func, func)(*args, **(kwargs or {}))
+
+
+# Python's and NumPy's global random generators: a draw inside a step would be drawn once,
+# at trace time, and replayed as a constant at every call.
+_HOST_RANDOM = {
+    "random": (
+        "random",
+        "uniform",
+        "randint",
+        "randrange",
+        "choice",
+        "choices",
+        "sample",
+        "shuffle",
+        "gauss",
+        "normalvariate",
+        "betavariate",
+        "expovariate",
+    ),
+    "numpy.random": (
+        "rand",
+        "randn",
+        "random",
+        "random_sample",
+        "uniform",
+        "normal",
+        "beta",
+        "randint",
+        "choice",
+        "permutation",
+        "shuffle",
+        "binomial",
+        "poisson",
+        "default_rng",
+    ),
+}
+
+
+@contextlib.contextmanager
+def _host_random_refused():
+    """While the step is traced, drawing from Python's or NumPy's global random generator
+    raises StaticGraphError at the user's line (torch's generators are traced)."""
+    patched = []
+    for module_name, names in _HOST_RANDOM.items():
+        if module_name.split(".")[0] not in sys.modules:
+            continue
+        module = importlib.import_module(module_name)
+        for name in names:
+            original = getattr(module, name, None)
+            if original is None:
+                continue
+            patched.append((module, name, original))
+            setattr(module, name, _refusing(f"{module_name}.{name}"))
+    try:
+        yield
+    finally:
+        for module, name, original in patched:
+            setattr(module, name, original)
+
+
+def _refusing(name: str) -> Callable[..., Any]:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        where = user_frame() or "<unknown location>"
+        raise StaticGraphError(
+            f"the step draws a random number with {name}() at {where}. A compiled step is "
+            "traced once, so the draw would happen once and be replayed as a constant at "
+            "every call. Draw with torch instead (torch.rand, torch.randn, "
+            "torch.distributions: traced, a new draw at every call), or draw in a hook "
+            "outside the step and pass the value in as a tensor."
+        )
+
+    return refuse
 
 
 @contextlib.contextmanager

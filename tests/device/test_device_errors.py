@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -75,6 +77,55 @@ def test_item_in_the_step_fails_at_compile_time_with_the_line(context, trainable
     with pytest.raises(StaticGraphError) as info:
         compile_o0(context, step, batches[0])
     assert f"{HERE}:{line_of(step, 'loss.item()')}" in str(info.value)
+
+
+HOST_COPIES = {
+    "tolist": lambda t: torch.tensor(t.tolist()),
+    "numpy": lambda t: torch.from_numpy(t.detach().numpy()),
+    "np.asarray": lambda t: torch.from_numpy(np.asarray(t.detach())),
+}
+
+
+@pytest.mark.parametrize("source", list(HOST_COPIES))
+def test_host_copies_of_a_traced_tensor_fail_at_compile_time_with_the_line(
+    context, trainable, source
+):
+    """.tolist() and .numpy() read values without going through dispatch: refused as .item()
+    is, instead of baking the trace-time batch into the graph."""
+    model, optimizer, batches = trainable
+    read = HOST_COPIES[source]
+
+    with pytest.raises(StaticGraphError, match=source) as info:
+        step = training_step(
+            model, optimizer, lambda m, b: cross_entropy(m, {**b, "x": read(b["x"])})
+        )
+        compile_o0(context, step, batches[0])
+    assert f"{HERE}:{line_of(HOST_COPIES[source], source)}" in str(info.value)
+
+
+HOST_DRAWS = {
+    "random.random": lambda: random.random(),
+    "numpy.random.beta": lambda: np.random.beta(0.4, 0.4),
+    "numpy.random.rand": lambda: np.random.rand(),
+}
+
+
+@pytest.mark.parametrize("source", list(HOST_DRAWS))
+def test_python_and_numpy_random_draws_fail_at_compile_time_with_the_line(
+    context, trainable, source
+):
+    """A host draw would happen once, at trace time (a mixup lambda frozen for every step)."""
+    model, optimizer, batches = trainable
+    draw = HOST_DRAWS[source]
+
+    with pytest.raises(StaticGraphError, match=rf"{source}\(\).*torch.rand") as info:
+        step = training_step(
+            model, optimizer, lambda m, b: cross_entropy(m, {**b, "x": b["x"] * draw()})
+        )
+        compile_o0(context, step, batches[0])
+    assert f"{HERE}:{line_of(HOST_DRAWS[source], source)}" in str(info.value)
+    assert isinstance(random.random(), float)  # the generators are back after the trace
+    assert isinstance(np.random.rand(), float)
 
 
 def test_tensor_valued_where_compiles_and_matches_eager(context, trainable):

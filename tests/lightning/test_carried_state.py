@@ -118,3 +118,36 @@ def test_registered_buffers_are_not_carried_as_attributes():
     model = LitClassifier(net="bn")
     assert tensor_attributes(model) == {}  # BatchNorm's buffers are registered device state
     assert any(True for _ in model.buffers())
+
+
+class RunningStats(LitClassifier):
+    """Statistics kept by item assignment in dicts the module holds: a flat dict filled
+    before fit, one that starts empty, and a nested one; the loss reads them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stats = {"sum": torch.zeros(()), "sq": torch.zeros(())}
+        self.latest: dict[str, torch.Tensor] = {}
+        self.nested = {"ema": {"loss": torch.ones(())}}
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        detached = loss.detach()
+        self.stats["sum"] = self.stats["sum"] + detached
+        self.stats["sq"] = self.stats["sq"] + detached**2
+        self.latest["loss"] = detached
+        ema = self.nested["ema"]
+        ema["loss"] = 0.5 * ema["loss"] + 0.5 * detached
+        return loss * (1 + 0.1 * ema["loss"]) + 0.01 * self.stats["sum"]
+
+
+def test_dict_entries_the_step_replaces_are_carried_like_attributes():
+    cpu, mn = _both(model_cls=RunningStats, max_epochs=2)
+    _assert_same_run(cpu, mn)
+    (_, cpu_model, _), (_, mn_model, _) = cpu, mn
+    for name in ("stats", "latest", "nested"):
+        cpu_leaves, cpu_spec = torch.utils._pytree.tree_flatten(getattr(cpu_model, name))
+        mn_leaves, mn_spec = torch.utils._pytree.tree_flatten(getattr(mn_model, name))
+        assert cpu_spec == mn_spec, name
+        torch.testing.assert_close(mn_leaves, cpu_leaves, atol=ATOL, rtol=0, msg=name)
+    assert float(mn_model.stats["sum"]) > 0

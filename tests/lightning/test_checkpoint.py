@@ -290,3 +290,33 @@ def test_to_onnx(fitted, tmp_path):
     import onnx
 
     onnx.checker.check_model(onnx.load(path))
+
+
+@pytest.mark.parametrize("how", ["tuner", "callback"])
+def test_the_learning_rate_finder_restores_the_weights_it_started_from(tmp_path, how):
+    """lr_find trains a few steps, then loads the checkpoint it saved first: the loaded
+    weights must win over the device's, and the fit that follows matches cpu's."""
+    from lightning.pytorch.callbacks import LearningRateFinder
+    from lightning.pytorch.tuner import Tuner
+
+    results = []
+    for accelerator in ("cpu", "mncore"):
+        L.seed_everything(0, verbose=False)
+        model = LitClassifier()  # configure_optimizers reads hparams.lr, which lr_find sets
+        initial = {k: v.clone() for k, v in model.state_dict().items()}
+        finder = dict(min_lr=1e-3, max_lr=0.5, early_stop_threshold=None)
+        callbacks = (
+            [LearningRateFinder(**finder, num_training_steps=24)] if how == "callback" else []
+        )
+        trainer = make_trainer(
+            accelerator, max_epochs=6, default_root_dir=tmp_path, callbacks=callbacks
+        )
+        if how == "tuner":
+            Tuner(trainer).lr_find(model, train_dataloaders=loader(), **finder, num_training=24)
+            for key, value in model.state_dict().items():  # restored: not trained by lr_find
+                torch.testing.assert_close(value, initial[key], atol=0, rtol=0, msg=key)
+        trainer.fit(model, loader())
+        results.append(model)
+    cpu, mn = results
+    assert mn.hparams.lr == cpu.hparams.lr != 0.1
+    assert_state_close(cpu, mn)

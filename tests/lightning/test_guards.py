@@ -106,3 +106,44 @@ def test_validation_between_epochs_does_not_retrace_the_training_step():
         "mncore", callbacks=[FreezeBatchNorm()], val=loader(n=32), max_epochs=1
     )
     assert trainer.strategy.retraces == 0
+
+
+class SwitchesOptimizerTerms(LitClassifier):
+    """A hook turns on terms the update left out while they were zero or off: weight decay
+    and momentum (SGD), nesterov; and AdamW's weight decay, Adam's maximize."""
+
+    def __init__(self, optimizer: str) -> None:
+        super().__init__()
+        self.kind = optimizer
+
+    def configure_optimizers(self):
+        if self.kind == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+        if self.kind == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.0)
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+    def on_train_epoch_start(self) -> None:
+        group = self.optimizers().param_groups[0]
+        if self.current_epoch == 1:
+            group["weight_decay"] = 0.1
+            if self.kind == "sgd":
+                group["momentum"] = 0.9
+            if self.kind == "adam":
+                group["maximize"] = True
+        if self.current_epoch == 2 and self.kind == "sgd":
+            group["nesterov"] = True
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw", "adam"])
+def test_optimizer_terms_switched_on_by_a_hook_are_traced_again(optimizer):
+    runs = [
+        fit_once(a, {"optimizer": optimizer}, model_cls=SwitchesOptimizerTerms, max_epochs=3)
+        for a in ("cpu", "mncore")
+    ]
+    (_, cpu_model, cpu_losses), (mn_trainer, mn_model, mn_losses) = runs
+    torch.testing.assert_close(
+        torch.stack(cpu_losses.losses), torch.stack(mn_losses.losses), atol=ATOL, rtol=0
+    )
+    assert_state_close(cpu_model, mn_model)
+    assert mn_trainer.strategy.retraces == (2 if optimizer == "sgd" else 1)

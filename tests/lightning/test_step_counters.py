@@ -6,6 +6,7 @@ Same seed and data on accelerator="cpu" and "mncore" (O0); ATOL = 1e-5 absolute.
 from __future__ import annotations
 
 import inspect
+import math
 import warnings
 
 import pytest
@@ -107,3 +108,70 @@ def test_logging_another_python_number_warns_that_it_is_the_trace_time_value():
         fit_once("mncore", model_cls=LogsAPythonNumber)
     messages = [str(w.message) for w in record if "traced with" in str(w.message)]
     assert len(messages) == 1 and "'constant'" in messages[0]
+
+
+class CountersOnTheRight(LitClassifier):
+    """A counter on the right of a Python float (float's own arithmetic runs first), in a
+    power, as an index, through torch.tensor / torch.as_tensor, and read from the trainer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = torch.linspace(0.5, 1.5, 64)  # one factor per global step
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        trainer = self.trainer
+        factors = (
+            1.0 + 0.1 * self.current_epoch,
+            0.9**self.global_step,
+            self.table[self.global_step],
+            torch.tensor(self.global_step, dtype=torch.float32) / 8 + 1,
+            torch.as_tensor([batch_idx, 2.0]).sum() / 4,
+            1.0 + 0.5 * trainer.current_epoch + 0.01 * trainer.global_step,
+        )
+        for factor in factors:
+            loss = loss * factor
+        return loss
+
+
+def test_counters_follow_the_live_value_on_either_side_and_through_tensor_factories():
+    _both(CountersOnTheRight, max_epochs=3)
+
+
+class ReturnsTheCounters(LitClassifier):
+    """The step returns its counters in the output dict and appends them to a list, as
+    Python ints."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple] = []
+        self.appended: list = []
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.appended.append({"idx": batch_idx, "epoch": self.current_epoch})
+        return {"loss": loss, "idx": batch_idx, "step": self.trainer.global_step}
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.seen.append((outputs["idx"], outputs["step"], type(outputs["idx"])))
+
+
+def test_counters_returned_or_appended_by_the_step_are_their_values_at_each_step():
+    runs = [fit_once(a, model_cls=ReturnsTheCounters, max_epochs=2) for a in ("cpu", "mncore")]
+    (_, cpu, _), (_, mn, _) = runs
+    assert mn.seen == cpu.seen
+    assert len({idx for idx, _, _ in mn.seen}) > 1 and mn.seen[-1][2] is int
+    assert mn.appended == cpu.appended
+    assert {type(v) for item in mn.appended for v in item.values()} == {int}
+
+
+class ConvertsACounter(LitClassifier):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * (1 + math.sqrt(self.global_step))
+
+
+def test_a_python_conversion_of_a_counter_raises_at_the_line():
+    with pytest.raises(StaticGraphError, match=r"global_step.*math.sqrt"):
+        fit_once("mncore", model_cls=ConvertsACounter)
