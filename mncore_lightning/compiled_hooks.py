@@ -31,7 +31,8 @@ from torch.utils._pytree import (
     tree_unflatten,
 )
 
-from mncore_device import CompiledFunction, Context
+from mncore_device import CompiledFunction, Context, StaticGraphError
+from mncore_device._source import user_frame
 
 from .carried_state import CarriedState
 from .optimizers import LiveHyperparameter, live_hyperparameters
@@ -51,6 +52,7 @@ LOG_PREFIX = "log/"
 OUTPUT_PREFIX = "out/"
 BATCH_PREFIX = "batch/"
 GRAD_PREFIX = "grad/"
+HOSTCALL_PREFIX = "hostcall/"  # tensors a replayed host call is given (a scheduler's metric)
 
 
 @dataclass
@@ -142,6 +144,9 @@ class LogRecorder:
     def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         if self.batch_size is not None and not args:
             kwargs.setdefault("batch_size", self.batch_size)
+        if isinstance(value, LiveHyperparameter) and value.reader is None:
+            # computed from one (`lr * 10`): its tensor, as a Python float would be logged
+            value = float(value) if value.tensor is None else value.tensor.to(torch.float32)
         if isinstance(value, MetricValue) or is_metric(value):
             # a metric's result or the Metric itself: logged after the metric's host replay
             self.calls.append(_LogCall(name, None, value, args, kwargs))
@@ -580,13 +585,19 @@ def _step_unless_inf(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) 
 
 class _HostCall:
     """A host-side call a traced step made (Lightning's optimizer-step bookkeeping, an LR
-    scheduler's step), replayed after each call in step order, like `self.log`."""
+    scheduler's step), replayed after each call in step order, like `self.log`, with the
+    values that call computed (`ReduceLROnPlateau.step(loss)` gets each step's loss)."""
 
-    def __init__(self, call: Callable[[], Any]) -> None:
+    def __init__(self, call: Callable[..., Any], arguments: Packed | None = None) -> None:
         self.call = call
+        self.arguments = arguments
 
     def replay(self, outputs: Mapping[str, torch.Tensor]) -> None:
-        self.call()
+        if self.arguments is None:
+            self.call()
+            return
+        args, kwargs = self.arguments.rebuild(outputs)
+        self.call(*args, **kwargs)
 
 
 @contextlib.contextmanager
@@ -601,17 +612,37 @@ def recording_host_calls(module: Any, recorder: LogRecorder) -> Iterator[None]:
         patched.append((owner, name, owner.__dict__.get(name, _ABSENT)))
         setattr(owner, name, call)
 
+    scheduled: set[int] = set()  # optimizers whose scheduler this step has stepped
+
+    def before_update(optimizer: Any, replay: _HostCall) -> None:
+        if id(optimizer.optimizer) in scheduled:
+            raise StaticGraphError(
+                f"the step calls opt.step() after stepping its LR scheduler, at {user_frame()}. "
+                "In a compiled step a scheduler's new learning rate takes effect after the "
+                "step, not for the updates that follow it in the same step; step the "
+                "scheduler after the last opt.step(), or in a hook (on_train_batch_end)."
+            )
+        recorder.calls.append(replay)
+
     for optimizer in strategy._lightning_optimizers:
         for name in ("_on_before_step", "_on_after_step"):
             replay = _HostCall(lambda o=optimizer, n=name: getattr(o, n)())
-            record(optimizer, name, lambda r=replay: recorder.calls.append(r))
+            if name == "_on_before_step":
+                record(optimizer, name, lambda o=optimizer, r=replay: before_update(o, r))
+            else:
+                record(optimizer, name, lambda r=replay: recorder.calls.append(r))
     for config in strategy.lr_scheduler_configs:
-        step = config.scheduler.step
+        scheduler = config.scheduler
 
-        def record_step(*args: Any, _step: Any = step, **kwargs: Any) -> None:
-            recorder.calls.append(_HostCall(lambda: _step(*args, **kwargs)))
+        def record_step(
+            *args: Any, _step: Any = scheduler.step, _scheduler: Any = scheduler, **kwargs: Any
+        ) -> None:
+            scheduled.add(id(getattr(_scheduler, "optimizer", None)))
+            prefix = f"{HOSTCALL_PREFIX}{len(recorder.calls)}/"
+            arguments = Packed((args, kwargs), prefix, recorder.tensors)
+            recorder.calls.append(_HostCall(_step, arguments))
 
-        record(config.scheduler, "step", record_step)
+        record(scheduler, "step", record_step)
     try:
         yield
     finally:

@@ -28,6 +28,7 @@ import torch
 from lightning.pytorch import LightningModule
 
 from mncore_device import StaticGraphError
+from mncore_device._source import user_frame
 
 from .side_effects import is_metric
 
@@ -86,6 +87,7 @@ class PythonValues:
         self.root = root
         self.before = _entries(root)
         self.read: set[str] = set()  # the LightningModule's own attributes the step read
+        self.set_at: dict[str, str] = {}  # ... and the user's line that first set each one
         self.guarded: Entries = {}
 
     @contextlib.contextmanager
@@ -93,7 +95,7 @@ class PythonValues:
         """While tracing: record which of the LightningModule's attributes the step reads."""
         cls = type(self.root)
         self.root.__class__ = _reading_class(cls)
-        _recording.append(self.read)
+        _recording.append(self)
         try:
             yield
         finally:
@@ -113,6 +115,8 @@ class PythonValues:
             if old is not None and new is not None and not _differs(old[2], new[2]):
                 continue
             change = f"{key}: {_shown(old)} -> {_shown(new)}"
+            where = self.set_at.get(key.removeprefix("self."))
+            change += f" at {where}" if where else ""
             if _on_submodule(key):
                 kept.append(change)
                 continue
@@ -162,7 +166,7 @@ def _shown(entry: tuple[Any, Any, Any] | None) -> str:
     return "(unset)" if entry is None else repr(entry[2])
 
 
-_recording: list[set[str]] = []  # the reads of the step being traced
+_recording: list[PythonValues] = []  # the step being traced
 _READING_CLASSES: dict[type, type] = {}
 
 
@@ -173,14 +177,20 @@ def _reading_class(cls: type) -> type:
         def __getattribute__(self: Any, name: str) -> Any:
             value = cls.__getattribute__(self, name)
             if _recording and name not in _LIGHTNING_OWN and type(value) in _TRACKED:
-                _recording[-1].add(name)
+                _recording[-1].read.add(name)
             return value
+
+        def __setattr__(self: Any, name: str, value: Any) -> None:
+            if _recording and type(value) in _SCALARS:
+                _recording[-1].set_at.setdefault(name, user_frame() or "<unknown location>")
+            cls.__setattr__(self, name, value)
 
         _READING_CLASSES[cls] = type(
             cls.__name__,
             (cls,),
             {
                 "__getattribute__": __getattribute__,
+                "__setattr__": __setattr__,
                 "__module__": cls.__module__,
                 "__qualname__": cls.__qualname__,
             },

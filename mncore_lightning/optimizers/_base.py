@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.utils._pytree import tree_leaves, tree_map
 
 Coefficients = Callable[[Mapping[str, Any]], dict[str, float]]
 
@@ -59,15 +60,89 @@ def _to_number(value: Any) -> Any:
 class LiveHyperparameter(float):
     """A hyperparameter read from a param group while a step is traced (`group["lr"]`).
 
-    It is the float it was, so the step computes with it as before; `reader` gives the value
-    the group holds later, so that `self.log("lr", group["lr"])` logs the current learning rate
-    at every step rather than the trace-time one.
+    It is the float it was, so Python code (the optimizer's own checks) computes with it as
+    before. Where the group mirrors it into a tensor (the learning rate), the step follows the
+    live value: a torch op given it (`loss * lr`) computes with that tensor, and Python
+    arithmetic on it (`lr * 10`) gives another LiveHyperparameter that does the same.
+    `reader` gives the value the group holds later, so that `self.log("lr", group["lr"])`
+    logs the current learning rate at every step rather than the trace-time one.
     """
 
-    def __new__(cls, value: float, group: ParamGroup, key: str) -> LiveHyperparameter:
+    reader: Callable[..., float] | None
+    tensor: Tensor | None
+
+    def __new__(
+        cls,
+        value: float,
+        group: ParamGroup | None = None,
+        key: str = "",
+        tensor: Tensor | None = None,
+    ) -> LiveHyperparameter:
         number = super().__new__(cls, value)
-        number.reader = lambda _counters=None: dict.__getitem__(group, key)
+        number.reader = None
+        number.tensor = tensor
+        if group is not None:
+            number.reader = lambda _counters=None: dict.__getitem__(group, key)
+            if group._values.get(key) == value:  # the tensor holds this very value
+                number.tensor = group.tensors.get(key)
         return number
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        """A torch op given a live hyperparameter computes with its tensor, in the dtype a
+        Python float would take there (the op's floating tensors', else the default)."""
+        kwargs = kwargs or {}
+        floating = [
+            t
+            for t in tree_leaves((args, kwargs))
+            if isinstance(t, Tensor) and t.is_floating_point()
+        ]
+        dtype = floating[0].dtype if floating else torch.get_default_dtype()
+
+        def live(value: Any) -> Any:
+            if not isinstance(value, LiveHyperparameter):
+                return value
+            return float(value) if value.tensor is None else value.tensor.to(dtype)
+
+        return func(*tree_map(live, args), **tree_map(live, kwargs))
+
+
+def _live_arithmetic(name: str) -> Callable[..., Any]:
+    def method(self: LiveHyperparameter, *args: Any) -> Any:
+        plain = [float(a) if isinstance(a, LiveHyperparameter) else a for a in args]
+        result = getattr(float, name)(float(self), *plain)
+        if (
+            self.tensor is None
+            or not isinstance(result, float)
+            or any(isinstance(a, Tensor) for a in args)
+        ):
+            return result
+        operands = [
+            (a.tensor if a.tensor is not None else float(a))
+            if isinstance(a, LiveHyperparameter)
+            else a
+            for a in args
+        ]
+        return LiveHyperparameter(result, tensor=getattr(self.tensor, name)(*operands))
+
+    method.__name__ = name
+    return method
+
+
+for _op in (
+    "__add__",
+    "__radd__",
+    "__sub__",
+    "__rsub__",
+    "__mul__",
+    "__rmul__",
+    "__truediv__",
+    "__rtruediv__",
+    "__pow__",
+    "__rpow__",
+    "__neg__",
+):
+    setattr(LiveHyperparameter, _op, _live_arithmetic(_op))
 
 
 _tracing = [False]

@@ -4,12 +4,14 @@ update in it, is ONE compiled step, and trains as on cpu (same seed and data, AT
 from __future__ import annotations
 
 import lightning as L
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from lightning.pytorch.demos.boring_classes import ManualOptimBoringModel, RandomDataset
 from torch.utils.data import DataLoader
 
+from mncore_device import StaticGraphError
 from mncore_lightning import MNCoreStrategy
 from tests.lightning.lightning_testing import ATOL, assert_state_close, trainer_kwargs
 
@@ -116,3 +118,53 @@ def test_several_optimizers_are_registered_as_optimizer0_optimizer1():
     names = seen["names"]
     assert any(n.startswith("optimizer0@") for n in names)
     assert any(n.startswith("optimizer1@") for n in names)
+
+
+class PlateauInTheStep(L.LightningModule):
+    """Manual optimization that steps ReduceLROnPlateau with each batch's loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.layer = nn.Linear(32, 2)
+        self.lrs: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        opt, sch = self.optimizers(), self.lr_schedulers()
+        loss = self.layer(batch).pow(2).mean()
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        sch.step(loss)  # the metric is this step's loss, on the host after each call
+        return loss
+
+    def on_train_batch_end(self, *args) -> None:
+        self.lrs.append(self.optimizers().param_groups[0]["lr"])
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        sch = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
+        return [opt], [sch]
+
+
+def test_a_scheduler_stepped_with_the_loss_in_a_manual_step_gets_each_steps_loss():
+    (_, cpu), (_, mn) = _both(PlateauInTheStep, _random_data)
+    assert mn.lrs == cpu.lrs
+    assert len(set(mn.lrs)) > 2 and min(mn.lrs) > 0.1 * 0.5**16  # not halved at every step
+
+
+class SchedulesBetweenUpdates(PlateauInTheStep):
+    def training_step(self, batch, batch_idx):
+        opt, sch = self.optimizers(), self.lr_schedulers()
+        for _ in range(2):
+            loss = self.layer(batch).pow(2).mean()
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+            sch.step(loss)
+        return loss
+
+
+def test_an_update_after_a_scheduler_step_in_the_same_step_is_refused():
+    with pytest.raises(StaticGraphError, match=r"opt.step\(\) after stepping its LR scheduler"):
+        _fit("mncore", SchedulesBetweenUpdates, _random_data)

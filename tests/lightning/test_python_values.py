@@ -7,6 +7,8 @@ refused at trace time, by name, with the host value left as it was.
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -110,6 +112,9 @@ def test_a_step_that_changes_python_values_is_refused_by_name_and_the_host_kept(
     message = str(error.value)
     assert "self.seen: 0 -> " in message and "self.stats['batches']: 0 -> 1" in message
     assert "on_train_batch_end" in message
+    lines, first = inspect.getsourcelines(CountsInPython.training_step)
+    line = first + next(i for i, text in enumerate(lines) if "self.seen +=" in text)
+    assert f"test_python_values.py:{line}" in message  # the user's line that set it
 
 
 def test_the_refused_trace_leaves_the_modules_python_values_as_they_were():

@@ -175,3 +175,27 @@ class ConvertsACounter(LitClassifier):
 def test_a_python_conversion_of_a_counter_raises_at_the_line():
     with pytest.raises(StaticGraphError, match=r"global_step.*math.sqrt"):
         fit_once("mncore", model_cls=ConvertsACounter)
+
+
+class ComputesWithTheLearningRate(LitClassifier):
+    """The learning rate read from the param group, computed with in the loss and logged
+    through Python arithmetic, while StepLR halves it every epoch."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        lr = self.optimizers().param_groups[0]["lr"]
+        loss = F.cross_entropy(self(x), y)
+        self.log("lr_x10", lr * 10)
+        return loss / lr * 0.1 + 0.01 * (1.0 / lr) + (2.0 * lr) ** 2
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam", "RMSprop"])
+def test_computing_with_the_learning_rate_follows_its_live_value(optimizer):
+    cpu, mn = _both(
+        ComputesWithTheLearningRate,
+        keys=("lr_x10",),
+        model_kwargs={"scheduler": "step", "optimizer": optimizer},
+        max_epochs=3,
+    )
+    torch.testing.assert_close(torch.tensor(mn), torch.tensor(cpu), atol=ATOL, rtol=0)
+    assert len({row[0] for row in mn}) == 3  # StepLR moved it each epoch
