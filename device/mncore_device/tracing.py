@@ -221,6 +221,13 @@ class _TraceGuard(TorchDispatchMode):
         tracer = get_proxy_mode().tracer
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         constant = all(self._is_constant(t) for t in tensors)
+        if kwargs.get("generator") is not None:
+            self._refuse(
+                "draws random numbers from its own torch.Generator",
+                "A compiled step draws from the default generator, which it carries as device "
+                "state (seed it with torch.manual_seed or Lightning's seed_everything); drop "
+                "the generator= argument inside the step.",
+            )
         if func in _DATA_DEPENDENT_OPS:
             if not all(self._is_constant(t) or not _is_traced(t, tracer) for t in tensors):
                 self._refuse(_DATA_DEPENDENT_OPS[func])

@@ -128,6 +128,19 @@ def test_python_and_numpy_random_draws_fail_at_compile_time_with_the_line(
     assert isinstance(np.random.rand(), float)
 
 
+def test_a_private_torch_generator_fails_at_compile_time_with_the_line(context, trainable):
+    """The graph carries the default generator's state; a private one would be read once."""
+    model, optimizer, batches = trainable
+    generator = torch.Generator().manual_seed(0)
+
+    def noisy(m, b):
+        return cross_entropy(m, {**b, "x": b["x"] + torch.randn(b["x"].shape, generator=generator)})
+
+    with pytest.raises(StaticGraphError, match="torch.Generator") as info:
+        compile_o0(context, training_step(model, optimizer, noisy), batches[0])
+    assert f"{HERE}:{line_of(noisy, 'generator=generator')}" in str(info.value)
+
+
 def test_tensor_valued_where_compiles_and_matches_eager(context, trainable):
     model, optimizer, batches = trainable
     reference = twin(model)
