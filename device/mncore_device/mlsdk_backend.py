@@ -28,9 +28,11 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+import shutil
 import tempfile
 import time
 import warnings
+import weakref
 from collections.abc import Iterable, Mapping
 from pathlib import Path, PurePath
 from types import ModuleType
@@ -238,13 +240,15 @@ class MLSDKContext(Context, backend=Backend.MLSDK):
     ) -> MLSDKCompiledFunction:
         """`mlsdk.Context.compile`, with this package's argument forms.
 
-        codegen_dir: default, a new temporary directory (MLSDK always writes one).
+        codegen_dir: default, a new temporary directory (MLSDK always writes one), removed
+            when the compiled function is garbage-collected.
         options: {"option_json": preset name or MLSDK preset file, other MLSDK options as is}.
         cache_options: mncore_device.CacheOptions or MLSDK's own.
         keywords: passed to MLSDK as given, where its compile takes them (else a warning).
         """
         start = time.perf_counter()
-        path = self._storage_path(codegen_dir)
+        temporary = tempfile.mkdtemp(prefix="mncore-codegen-") if codegen_dir is None else None
+        path = self._storage_path(temporary or codegen_dir)
         kwargs: dict[str, Any] = self._sdk_keywords(keywords)
         sdk_options = self._sdk_options(options)
         if sdk_options:
@@ -257,7 +261,10 @@ class MLSDKContext(Context, backend=Backend.MLSDK):
             kwargs[self._compile_keyword] = path
             compiled = self.sdk_context.compile(function, inputs, **kwargs)
         specs = {k: TensorSpec.of(v) for k, v in inputs.items() if isinstance(v, torch.Tensor)}
-        return MLSDKCompiledFunction(self, compiled, specs, time.perf_counter() - start)
+        result = MLSDKCompiledFunction(self, compiled, specs, time.perf_counter() - start)
+        if temporary is not None:
+            weakref.finalize(result, shutil.rmtree, temporary, ignore_errors=True)
+        return result
 
     @override
     def load_codegen_dir(self, path: str | os.PathLike[str]) -> MLSDKCompiledFunction:
@@ -289,8 +296,6 @@ class MLSDKContext(Context, backend=Backend.MLSDK):
         return result
 
     def _storage_path(self, path: Any) -> Any:
-        if path is None:
-            path = tempfile.mkdtemp(prefix="mncore-codegen-")
         if isinstance(path, (str, PurePath)):
             return self.sdk.storage.path(str(path))
         return path  # already MLSDK's storage path

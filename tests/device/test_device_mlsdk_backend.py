@@ -8,7 +8,9 @@ MLSDK, and in which order.
 
 from __future__ import annotations
 
+import gc
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -212,6 +214,24 @@ def test_add_example(mlsdk, tmp_path):
     assert call["inputs"] == {"x": (3, 4), "y": (3, 4)}
     assert compiled.input_specs["x"].shape == (3, 4)
     assert compiled.output_specs["out"].dtype == torch.float32
+
+
+@pytest.mark.skipif(REAL_MLSDK, reason="MLSDK is installed here")
+def test_a_default_codegen_dir_is_removed_with_its_compiled_function(mlsdk, monkeypatch, tmp_path):
+    """Without codegen_dir, MLSDK writes into a temporary directory that goes with the function;
+    a directory the user named stays."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    sample = {"x": torch.randn(3, 4), "y": torch.randn(3, 4)}
+    context = new_context()
+    compiled = context.compile(add, sample, options={"option_json": "O0"})
+    (temporary,) = tmp_path.glob("mncore-codegen-*")
+    assert mlsdk.call_log[index_of(mlsdk, "Context.compile")].args["codegen_dir"] == str(temporary)
+    torch.testing.assert_close(compiled(sample)["out"].cpu(), sample["x"] + sample["y"])
+    named = compile_add(context, tmp_path / "named")
+    del compiled, named
+    gc.collect()
+    assert not temporary.exists()
+    assert (tmp_path / "named").is_dir()
 
 
 def test_explicit_data_transfer_example(mlsdk, tmp_path):
