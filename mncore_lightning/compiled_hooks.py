@@ -40,11 +40,11 @@ from .python_values import PythonValues, refuse_writes
 from .side_effects import MetricValue, Packed, SideEffects, is_metric
 from .step_counters import (
     COUNTER_PREFIX,
-    COUNTERS,
     STEP_COUNTERS,
     LiveCounter,
     counter_inputs,
     live_counters,
+    scheduler_stepped,
 )
 
 _LIGHTNING_LOG = LightningModule.log
@@ -155,7 +155,7 @@ class LogRecorder:
             self.tensors[key] = value.detach()
             self.calls.append(_LogCall(name, key, None, args, kwargs))
         elif isinstance(value, LiveCounter):  # the counter's value at each call
-            reader = _counter_reader(value.name, self.step)
+            reader = _counter_reader(value, self.step)
             self.calls.append(_LogCall(name, None, reader, args, kwargs))
         elif isinstance(value, LiveHyperparameter):  # e.g. the learning rate, as it is now
             self.calls.append(_LogCall(name, None, value.reader, args, kwargs))
@@ -207,8 +207,9 @@ def _plain_log(call: Any) -> bool:
     )
 
 
-def _counter_reader(name: str, step: int = 0) -> Callable[[Mapping[str, int]], int]:
-    offset = step if name in STEP_COUNTERS else 0
+def _counter_reader(counter: LiveCounter, step: int = 0) -> Callable[[Mapping[str, int]], int]:
+    name = counter.name
+    offset = (step if name in STEP_COUNTERS else 0) + counter.offset
     return lambda counters: counters[name] + offset
 
 
@@ -309,12 +310,14 @@ class CompiledHook:
         extra_args: tuple,
         effects: SideEffects,
         used_counters: frozenset[str],
+        counter_names: tuple[str, ...],
         python_values: PythonValues,
     ) -> None:
         self.compiled = compiled
         self.python_values = python_values  # the Python values the graph was traced for
         self.effects = effects
         self.used_counters = used_counters  # the counters the graph computes with
+        self.counter_names = counter_names  # the counters it was traced with (its inputs)
         self.carried = carried
         self.extra_args = extra_args[1:]  # what follows batch_idx (dataloader_idx), fixed
         self.layout = layout
@@ -409,7 +412,7 @@ def compile_hook(
         batch: Any, graph_inputs: Mapping[str, torch.Tensor], index: int
     ) -> dict[str, torch.Tensor]:
         live = {}
-        for name in COUNTERS:
+        for name in counters:
             offset = index if name in STEP_COUNTERS else 0
             tensor = graph_inputs[COUNTER_PREFIX + name]
             tensor = tensor + offset if offset else tensor
@@ -548,6 +551,7 @@ def compile_hook(
         extra_args,
         effects,
         frozenset(used),
+        tuple(counters),
         values,
     )
     return compiled_hook, inputs
@@ -638,6 +642,7 @@ def recording_host_calls(module: Any, recorder: LogRecorder) -> Iterator[None]:
             *args: Any, _step: Any = scheduler.step, _scheduler: Any = scheduler, **kwargs: Any
         ) -> None:
             scheduled.add(id(getattr(_scheduler, "optimizer", None)))
+            scheduler_stepped(_scheduler)
             prefix = f"{HOSTCALL_PREFIX}{len(recorder.calls)}/"
             arguments = Packed((args, kwargs), prefix, recorder.tensors)
             recorder.calls.append(_HostCall(_step, arguments))

@@ -1,13 +1,14 @@
 """Step counters read inside a compiled step follow their live values.
 
 `batch_idx`, `self.global_step` and `self.current_epoch` (and the trainer's `global_step` and
-`current_epoch`) are Python ints that change every batch or epoch, but a compiled step is
-traced once. While tracing, each is a `LiveCounter`: arithmetic with it, on either side of a
+`current_epoch`, and each LR scheduler's `last_epoch`) are Python ints that change every batch
+or epoch, but a compiled step is traced once. While tracing, each is a `LiveCounter`: arithmetic with it, on either side of a
 Python number or a tensor, gives a tensor computed from a graph input that is fed the current
 value at every call (so a warm-up factor `step / 1000` or `1.0 + 0.1 * epoch` follows the
 step), indexing a tensor with it reads the live row, `torch.tensor(counter)` and
 `torch.as_tensor(counter)` give the live value, and `self.log` of it logs the current value.
-Whatever needs the Python int itself (`if batch_idx == 0:`, `int(step)`, `range(epoch)`,
+A scheduler's `get_last_lr()` gives its optimizer's live learning rates (optimizers/_base.py:
+LiveHyperparameter), which it equals between steps. Whatever needs the Python int itself (`if batch_idx == 0:`, `int(step)`, `range(epoch)`,
 `math.sqrt(step)`) cannot follow the value and raises StaticGraphError at the user's line.
 
 A LiveCounter is deliberately not an `int` subclass: Python's own float and int arithmetic,
@@ -18,10 +19,11 @@ it was at trace time, silently.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.optim.lr_scheduler import LRScheduler
 from torch.utils._pytree import tree_map
 
 from mncore_device import StaticGraphError
@@ -36,16 +38,30 @@ STEP_COUNTERS = ("batch_idx", "global_step")
 _UNUSED = torch.zeros((), dtype=torch.int64)
 
 
+def scheduler_counters(schedulers: Sequence[Any]) -> dict[str, int]:
+    """The `last_epoch` of each LR scheduler that counts with a Python int, by position."""
+    return {
+        _scheduler_counter(index): scheduler.last_epoch
+        for index, scheduler in enumerate(schedulers)
+        if type(getattr(scheduler, "last_epoch", None)) is int
+    }
+
+
+def _scheduler_counter(index: int) -> str:
+    return f"lr_schedulers()[{index}].last_epoch"
+
+
 def counter_inputs(
-    values: dict[str, int], used: set[str] | frozenset[str] = frozenset(COUNTERS)
+    values: Mapping[str, int], used: set[str] | frozenset[str] | None = None
 ) -> dict[str, torch.Tensor]:
     """The graph inputs for one call: each counter as a 0-d int64 tensor, so that arithmetic
     on it has the dtypes arithmetic on a Python int would give a tensor (`step / 4` and
     `step * 0.5` in the default float dtype, `step // 2` an integer). A counter the graph never
-    computed with (`used`) gets a shared placeholder instead of a new tensor."""
+    computed with (not in `used`, when given) gets a shared placeholder instead of a new
+    tensor."""
     return {
-        COUNTER_PREFIX + name: torch.tensor(values[name]) if name in used else _UNUSED
-        for name in COUNTERS
+        COUNTER_PREFIX + name: torch.tensor(value) if used is None or name in used else _UNUSED
+        for name, value in values.items()
     }
 
 
@@ -54,12 +70,23 @@ class LiveCounter:
     that needs the Python int raises."""
 
     def __init__(
-        self, value: int, name: str, tensor: torch.Tensor, used: set[str] | None = None
+        self,
+        value: int,
+        name: str,
+        tensor: torch.Tensor,
+        used: set[str] | None = None,
+        offset: int = 0,
     ) -> None:
         self.value = value  # at trace time: what printing it shows
         self.name = name
         self.tensor = tensor
         self.used = used if used is not None else set()
+        self.offset = offset  # how far it is ahead of the value the call was fed
+
+    def advanced(self) -> LiveCounter:
+        """This counter after the host code that counts it runs once more (a scheduler's
+        step recorded inside a manual step)."""
+        return LiveCounter(self.value + 1, self.name, self.tensor + 1, self.used, self.offset + 1)
 
     def live(self) -> torch.Tensor:
         """The graph input that holds this counter's value at each call."""
@@ -176,43 +203,79 @@ def _counter_aware(factory: Callable[..., torch.Tensor], copy: bool) -> Callable
 _LIVE_CLASSES: dict[type, type] = {}
 
 
-def _live_class(cls: type) -> type:
-    """`cls` with `global_step` and `current_epoch` read from the live counters."""
+def _live_class(cls: type, names: tuple[str, ...]) -> type:
+    """`cls` with the attributes `names` read from its live counters (and, for an LR
+    scheduler, `get_last_lr()` from its optimizer's live learning rates)."""
     if cls not in _LIVE_CLASSES:
-        _LIVE_CLASSES[cls] = type(
-            cls.__name__,
-            (cls,),
-            {
-                "__module__": cls.__module__,
-                "__qualname__": cls.__qualname__,
-                "global_step": property(
-                    lambda self: self.__dict__["_live_counters"]["global_step"]
-                ),
-                "current_epoch": property(
-                    lambda self: self.__dict__["_live_counters"]["current_epoch"]
-                ),
-            },
-        )
+        members: dict[str, Any] = {
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+        }
+        for name in names:
+            members[name] = property(
+                lambda self, _name=name: self.__dict__["_live_counters"][_name],
+                lambda self, value, _name=name: _refuse_write(self, _name),
+            )
+        if issubclass(cls, LRScheduler):
+            members["get_last_lr"] = _live_last_lr
+        _LIVE_CLASSES[cls] = type(cls.__name__, (cls,), members)
     return _LIVE_CLASSES[cls]
+
+
+def _refuse_write(owner: Any, name: str) -> None:
+    raise StaticGraphError(
+        f"the step sets {type(owner).__name__}.{name} at {user_frame()}. A compiled step is "
+        "traced once, so the change would happen only once; Lightning and the scheduler own "
+        "this counter."
+    )
+
+
+def _live_last_lr(self: LRScheduler) -> list[Any]:
+    """The scheduler's last learning rates, as its optimizer's groups hold them now: live."""
+    rates = [group["lr"] for group in self.optimizer.param_groups]
+    if rates != list(self.__dict__["_last_lr"]):
+        raise StaticGraphError(
+            f"{type(self).__name__}.get_last_lr() at {user_frame()} is {self._last_lr}, but "
+            f"its optimizer's learning rates are {[float(r) for r in rates]} (set outside the "
+            "scheduler): a compiled step cannot follow both. Read "
+            "optimizer.param_groups[i]['lr'], which the step follows."
+        )
+    return rates
 
 
 @contextlib.contextmanager
 def live_counters(module: Any, counters: dict[str, LiveCounter]) -> Iterator[None]:
-    """While tracing: `global_step` and `current_epoch` of the module and of its trainer are
-    live counters, and torch.tensor / torch.as_tensor take a counter's live value."""
+    """While tracing: `global_step` and `current_epoch` of the module and of its trainer, and
+    each LR scheduler's `last_epoch`, are live counters, and torch.tensor / torch.as_tensor
+    take a counter's live value."""
     trainer = getattr(module, "_trainer", None)
-    owners = [owner for owner in (module, trainer) if owner is not None]
-    classes = [type(owner) for owner in owners]
+    owners: list[tuple[Any, dict[str, LiveCounter]]] = []
+    steps = {name: counters[name] for name in ("global_step", "current_epoch")}
+    owners += [(owner, steps) for owner in (module, trainer) if owner is not None]
+    configs = trainer.lr_scheduler_configs if trainer is not None else ()
+    for index, config in enumerate(configs):
+        counter = counters.get(_scheduler_counter(index))
+        if counter is not None:
+            owners.append((config.scheduler, {"last_epoch": counter}))
+    classes = [type(owner) for owner, _ in owners]
     factories = torch.tensor, torch.as_tensor
-    for owner, cls in zip(owners, classes, strict=True):
-        owner.__dict__["_live_counters"] = counters
-        owner.__class__ = _live_class(cls)
+    for (owner, live), cls in zip(owners, classes, strict=True):
+        owner.__dict__["_live_counters"] = dict(live)
+        owner.__class__ = _live_class(cls, tuple(live))
     torch.tensor = _counter_aware(factories[0], copy=True)
     torch.as_tensor = _counter_aware(factories[1], copy=False)
     try:
         yield
     finally:
         torch.tensor, torch.as_tensor = factories
-        for owner, cls in zip(owners, classes, strict=True):
+        for (owner, _), cls in zip(owners, classes, strict=True):
             owner.__class__ = cls
             del owner.__dict__["_live_counters"]
+
+
+def scheduler_stepped(scheduler: Any) -> None:
+    """A scheduler's step recorded while a step is traced: its `last_epoch` reads one more
+    from here on, as it would on the host."""
+    live = scheduler.__dict__.get("_live_counters")
+    if live is not None and "last_epoch" in live:
+        live["last_epoch"] = live["last_epoch"].advanced()

@@ -53,6 +53,7 @@ from .host_sync import GRADIENT_HOOKS, HostSync, HostVersions, overridden_hooks
 from .optimizers import MNCoreOptimizer, device_optimizer
 from .optimizers._convert import track_step_calls
 from .precision import MNCorePrecision
+from .step_counters import scheduler_counters
 
 _EVAL_HOOKS = ("validation_step", "test_step", "predict_step")
 log = logging.getLogger(__name__)
@@ -302,9 +303,9 @@ class CompiledSteps:
         window = 1 if manual else module.trainer.accumulate_grad_batches
         update = window == 1 or self._updating
         accumulating, graph_update = self._train_plan(manual, window, update)
-        # One graph per carried-tensor signature and kind of micro-batch (accumulating, or
-        # ending a window with the update).
-        key = (self._carried_signature(), window, graph_update, steps)
+        # One graph per carried-tensor signature, kind of micro-batch (accumulating, or
+        # ending a window with the update) and set of counters (the LR schedulers).
+        key = (self._carried_signature(), window, graph_update, steps, tuple(counters))
         layout, inputs = BatchLayout.of(batch)
         if self._train_hook is not None and self._train_key != key:
             # carried tensors changed structure (None -> a tensor, say), or accumulation
@@ -318,6 +319,8 @@ class CompiledSteps:
                 self._retrace(
                     "training_step", f"accumulate_grad_batches changed {previous[1]} -> {window}"
                 )
+            elif self._train_hook is None and previous[4] != key[4]:
+                self._retrace("training_step", "the LR schedulers changed")
         if self._train_hook is not None:
             self._check_training_batch(layout, inputs, counters)
         if self._train_hook is None:
@@ -446,6 +449,7 @@ class CompiledSteps:
                 hook.layout == layout
                 and hook.extra_args == rest[1:]
                 and hook.carried.signature == carried
+                and hook.counter_names == tuple(counters)
                 and _matches(hook, inputs)
             ):
                 break
@@ -472,6 +476,7 @@ class CompiledSteps:
             "batch_idx": batch_idx,
             "global_step": trainer.global_step,
             "current_epoch": trainer.current_epoch,
+            **scheduler_counters([config.scheduler for config in self.lr_scheduler_configs]),
         }
 
     def _compile(

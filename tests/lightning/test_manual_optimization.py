@@ -168,3 +168,34 @@ class SchedulesBetweenUpdates(PlateauInTheStep):
 def test_an_update_after_a_scheduler_step_in_the_same_step_is_refused():
     with pytest.raises(StaticGraphError, match=r"opt.step\(\) after stepping its LR scheduler"):
         _fit("mncore", SchedulesBetweenUpdates, _random_data)
+
+
+class LogsItsSchedulerAfterStepping(PlateauInTheStep):
+    """StepLR stepped in the step, then its last learning rate and count logged."""
+
+    def training_step(self, batch, batch_idx):
+        opt, sch = self.optimizers(), self.lr_schedulers()
+        loss = self.layer(batch).pow(2).mean()
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        before = sch.last_epoch
+        sch.step()
+        self.log("counted", sch.last_epoch - before)
+        self.log("last_lr", sch.get_last_lr()[0])
+        self.log("last_epoch", sch.last_epoch)
+        return loss
+
+    def on_train_batch_end(self, *args) -> None:
+        metrics = self.trainer.callback_metrics
+        self.lrs.append(tuple(float(metrics[k]) for k in ("counted", "last_lr", "last_epoch")))
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)]
+
+
+def test_a_scheduler_read_after_its_step_in_a_manual_step_reads_as_on_cpu():
+    (_, cpu), (_, mn) = _both(LogsItsSchedulerAfterStepping, _random_data)
+    assert mn.lrs == cpu.lrs
+    assert {row[0] for row in mn.lrs} == {1.0} and len({row[1] for row in mn.lrs}) > 2

@@ -199,3 +199,48 @@ def test_computing_with_the_learning_rate_follows_its_live_value(optimizer):
     )
     torch.testing.assert_close(torch.tensor(mn), torch.tensor(cpu), atol=ATOL, rtol=0)
     assert len({row[0] for row in mn}) == 3  # StepLR moved it each epoch
+
+
+class ReadsItsScheduler(LitClassifier):
+    """Logs its scheduler's last learning rate and count, and warms the loss up on the count
+    (StepLR halving every second step or epoch)."""
+
+    interval = "epoch"
+
+    def training_step(self, batch, batch_idx):
+        scheduler = self.lr_schedulers()
+        self.log("last_lr", scheduler.get_last_lr()[0])
+        self.log("last_epoch", scheduler.last_epoch)
+        warm_up = torch.clamp(torch.as_tensor((scheduler.last_epoch + 1) / 3), max=1.0)
+        return super().training_step(batch, batch_idx) * warm_up
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        return [optimizer], [{"scheduler": scheduler, "interval": self.interval}]
+
+
+class ReadsItsSchedulerEachStep(ReadsItsScheduler):
+    interval = "step"
+
+
+@pytest.mark.parametrize("model_cls", [ReadsItsScheduler, ReadsItsSchedulerEachStep])
+def test_a_schedulers_last_lr_and_count_follow_their_live_values(model_cls):
+    cpu, mn = _both(model_cls, keys=("last_lr", "last_epoch"), max_epochs=3)
+    assert mn == cpu
+    assert len({row[0] for row in mn}) >= 2 and len({row[1] for row in mn}) >= 3  # they moved
+
+
+class BranchesOnItsScheduler(LitClassifier):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.lr_schedulers().last_epoch < 1:  # frozen if it were the Python int
+            loss = loss * 2
+        return loss
+
+
+def test_control_flow_on_a_schedulers_count_raises_at_the_line():
+    lines, first = inspect.getsourcelines(BranchesOnItsScheduler.training_step)
+    lineno = first + next(i for i, t in enumerate(lines) if "last_epoch < 1" in t)
+    with pytest.raises(StaticGraphError, match=rf"last_epoch.*:{lineno}"):
+        fit_once("mncore", model_cls=BranchesOnItsScheduler, model_kwargs={"scheduler": "step"})
