@@ -7,6 +7,8 @@ the weight that a pruning hook recomputes before each forward) would keep its tr
 on the host. So every such attribute is carried as state: the graph takes its current value as
 an input at each call and returns the new value of each one the step assigns or changes in
 place, which is set on the host module after the call, as the Python step would have left it.
+The same holds for the tensor attributes of plain Python objects a module holds (a tracker of
+running totals, a SimpleNamespace, a dataclass): `self.tracker.total += loss.detach()`.
 
 Which attributes exist, and their shapes and dtypes, are part of what a compiled step was
 traced for (`signature`); when they change (None before the first step, a tensor after it), the
@@ -16,6 +18,7 @@ strategy traces the step again.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -54,26 +57,69 @@ def _tensor_tree(value: Any) -> tuple[list[torch.Tensor], TreeSpec] | None:
     return leaves, spec
 
 
-def tensor_attributes(root: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, str, Any]]:
-    """`{key: (module, attribute, value)}` for every plain attribute under `root` that holds a
-    tensor or a flat tuple or dict of tensors (not a parameter or a buffer).
+# Objects of these packages are no state of the user's step (the Trainer, a DataModule's
+# loaders, functions): only plain objects of the user's own classes are.
+_FOREIGN_PACKAGES = frozenset(
+    {"builtins", "functools", "types", "torch", "torchmetrics", "numpy"}
+    | {"lightning", "lightning_fabric", "pytorch_lightning", "mncore_lightning", "mncore_device"}
+)
+_NOT_STATE_OWNERS = (
+    torch.utils.data.Dataset,
+    torch.utils.data.DataLoader,
+    torch.utils.data.Sampler,
+)
+_plain_types: dict[type, bool] = {}
+
+
+def _is_plain_object(value: Any) -> bool:
+    """A plain Python object of the user's (its own `__dict__`), or a SimpleNamespace."""
+    cls = type(value)
+    plain = _plain_types.get(cls)
+    if plain is None:
+        plain = cls is SimpleNamespace or (
+            isinstance(getattr(value, "__dict__", None), dict)
+            and cls.__module__.partition(".")[0] not in _FOREIGN_PACKAGES
+            and not issubclass(cls, (torch.nn.Module, torch.Tensor, type, *_NOT_STATE_OWNERS))
+        )
+        _plain_types[cls] = plain
+    return plain
+
+
+def _state_owners(root: torch.nn.Module) -> list[tuple[str, Any]]:
+    """(path, owner) for every module under `root` and every plain object one of them holds
+    in an attribute: the objects whose tensor attributes a step may keep.
 
     torchmetrics' state tensors are not carried: metrics run on the host (side_effects)."""
-    found = {}
+    owners = []
     stack = [("", root)]
     while stack:
         path, module = stack.pop()
         if is_metric(module):
             continue
-        for name, value in vars(module).items():
-            if name not in _NOT_CARRIED and _tensor_tree(value) is not None:
-                found[f"{CARRY_PREFIX}{path}{name}"] = (module, name, value)
+        owners.append((path, module))
+        owners.extend(
+            (f"{path}{name}.", value)
+            for name, value in vars(module).items()
+            if name not in _NOT_CARRIED and _is_plain_object(value)
+        )
         stack.extend(
             (f"{path}{child_name}.", child)
             for child_name, child in module._modules.items()
             if child is not None
         )
-    return found
+    return owners
+
+
+def tensor_attributes(root: torch.nn.Module) -> dict[str, tuple[Any, str, Any]]:
+    """`{key: (owner, attribute, value)}` for every plain attribute of a module under `root`,
+    or of a plain object one of them holds, that holds a tensor or a tuple or dict of tensors
+    (not a parameter or a buffer)."""
+    return {
+        f"{CARRY_PREFIX}{path}{name}": (owner, name, value)
+        for path, owner in _state_owners(root)
+        for name, value in vars(owner).items()
+        if name not in _NOT_CARRIED and _tensor_tree(value) is not None
+    }
 
 
 def signature(root: torch.nn.Module) -> tuple:
@@ -106,12 +152,13 @@ class CarriedState:
 
     def bind(self, graph_inputs: Mapping[str, torch.Tensor]) -> None:
         """While tracing: the modules' attributes are the graph's inputs."""
-        self._before = {id(m): dict(vars(m)) for m in self.root.modules()}
+        owners = [owner for _, owner in _state_owners(self.root)]
+        self._before = {id(owner): dict(vars(owner)) for owner in owners}
         # a dict the step fills in place (`self.stats["loss"] = ...`): its contents, to restore
         self._dict_contents = [
             (value, dict(value))
-            for m in self.root.modules()
-            for name, value in vars(m).items()
+            for owner in owners
+            for name, value in vars(owner).items()
             if type(value) is dict and name not in _NOT_CARRIED
         ]
         self._buffers = {

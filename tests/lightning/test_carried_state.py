@@ -5,6 +5,9 @@ Same seed and data on accelerator="cpu" and "mncore" (O0); ATOL = 1e-5 absolute.
 
 from __future__ import annotations
 
+import dataclasses
+from types import SimpleNamespace
+
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.demos.lstm import LightningLSTM, SimpleLSTM
@@ -151,3 +154,55 @@ def test_dict_entries_the_step_replaces_are_carried_like_attributes():
         assert cpu_spec == mn_spec, name
         torch.testing.assert_close(mn_leaves, cpu_leaves, atol=ATOL, rtol=0, msg=name)
     assert float(mn_model.stats["sum"]) > 0
+
+
+class Totals:
+    """A plain tracker object of the user's, holding tensors."""
+
+    def __init__(self) -> None:
+        self.total = torch.zeros(())
+        self.in_place = torch.zeros(())
+        self.scale = torch.ones(())
+
+
+@dataclasses.dataclass
+class Last:
+    loss: torch.Tensor | None = None
+
+
+class KeepsTotalsOnPlainObjects(LitClassifier):
+    """Tensors kept on plain objects the module holds: rebound, changed in place, read (a
+    scale a hook changes on the host) and set from None on a dataclass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.totals = Totals()
+        self.namespace = SimpleNamespace(count=torch.zeros((), dtype=torch.int64))
+        self.last = Last()
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        detached = loss.detach()
+        self.totals.total = self.totals.total + detached
+        self.totals.in_place += detached
+        self.namespace.count = self.namespace.count + 1
+        self.last.loss = detached
+        return loss * self.totals.scale
+
+    def on_train_epoch_end(self) -> None:
+        self.totals.scale = self.totals.scale * 0.5
+
+
+def test_tensors_on_plain_objects_the_module_holds_are_carried():
+    cpu, mn = _both(model_cls=KeepsTotalsOnPlainObjects, max_epochs=2)
+    _assert_same_run(cpu, mn)
+    (_, cpu_model, _), (_, mn_model, _) = cpu, mn
+    for read in (
+        lambda m: m.totals.total,
+        lambda m: m.totals.in_place,
+        lambda m: m.totals.scale,
+        lambda m: m.namespace.count,
+        lambda m: m.last.loss,
+    ):
+        torch.testing.assert_close(read(mn_model), read(cpu_model), atol=ATOL, rtol=0)
+    assert int(mn_model.namespace.count) == mn_model.trainer.global_step > 1
