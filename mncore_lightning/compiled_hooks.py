@@ -451,6 +451,19 @@ def compile_hook(
         }
 
     def train(batch: Any, args: tuple) -> dict[str, torch.Tensor]:
+        # logs and list appends are recorded through the backward (a tensor hook) and the
+        # update (configure_gradient_clipping), not only in the user's step
+        with recording_logs(module, recorder), effects.recording():
+            output, gradients = train_and_update(batch, args)
+        return {
+            **recorder.tensors,
+            **returned.capture(output),
+            **gradients,
+            **carried.capture(),
+            **effects.capture(),
+        }
+
+    def train_and_update(batch: Any, args: tuple) -> tuple[Any, dict[str, torch.Tensor]]:
         if accumulate is None:
             optimizer.zero_grad(set_to_none=True)
         else:
@@ -459,8 +472,7 @@ def compile_hook(
         scaler = precision.scaler if not manual else None
         output = None
         if forward:
-            with recording_logs(module, recorder), effects.recording():
-                output = hook(batch, *args)
+            output = hook(batch, *args)
             loss = _loss_of(output)
             loss = loss if accumulate is None else loss / accumulate[0]
             module.backward(scaler.scale(loss) if scaler is not None else loss)
@@ -500,13 +512,7 @@ def compile_hook(
                         buffer.zero_()
             for param in accumulate[1]:
                 param.grad = None
-        return {
-            **recorder.tensors,
-            **returned.capture(output),
-            **gradients,
-            **carried.capture(),
-            **effects.capture(),
-        }
+        return output, gradients
 
     if steps is not None and carried.slots:
         raise MisconfigurationException(

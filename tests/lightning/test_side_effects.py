@@ -243,3 +243,36 @@ def test_metric_collection_forward_logged_and_appended_in_eval_as_on_cpu():
     for a, b in zip(cpu.batch_values, mn.batch_values, strict=True):
         assert type(b["v_acc"]) is torch.Tensor
         assert_metrics_close(a, b)
+
+
+class RecordsDuringBackwardAndUpdate(LitClassifier):
+    """A tensor hook appends each step's output gradient norm during backward, and a custom
+    configure_gradient_clipping logs the norm it clipped (both run inside the compiled step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.output_grad_norms: list[torch.Tensor] = []
+        self.clipped: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        logits.register_hook(lambda grad: self.output_grad_norms.append(grad.norm()))
+        return F.cross_entropy(logits, y)
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, **kwargs):
+        self.log("clipped_norm", torch.nn.utils.clip_grad_norm_(self.parameters(), 0.5))
+
+    def on_train_batch_end(self, *args) -> None:
+        self.clipped.append(float(self.trainer.callback_metrics["clipped_norm"]))
+
+
+def test_appends_and_logs_in_backward_and_gradient_clipping_are_replayed_every_step():
+    cpu, mn = _both(model_cls=RecordsDuringBackwardAndUpdate, max_epochs=2)
+    (_, cpu_model, _), (_, mn_model, _) = cpu, mn
+    assert_state_close(cpu_model, mn_model)
+    steps = cpu_model.trainer.global_step
+    assert len(mn_model.output_grad_norms) == len(cpu_model.output_grad_norms) == steps
+    assert _max_diff(mn_model.output_grad_norms, cpu_model.output_grad_norms) <= ATOL
+    assert len(mn_model.clipped) == steps and len(set(mn_model.clipped)) > 1
+    assert _max_diff(mn_model.clipped, cpu_model.clipped) <= ATOL
