@@ -15,11 +15,16 @@ What counts: bool, int, float and str attributes of every module under the Light
 the LightningModule itself, only the attributes the step read are guarded: hooks there keep
 plenty of bookkeeping (`self.best_val_acc`) that no step reads. Lightning's own attributes and
 torchmetrics (which run on the host) are left out.
+
+Tensors in the module-level globals of the files that define the LightningModule's classes
+(`TOTAL = TOTAL + loss`, `HISTORY["loss"] = loss`, `LOSSES.append(loss)`) cannot be carried:
+a step that rebinds, replaces, adds or changes one in place is refused the same way.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -70,6 +75,68 @@ def _entries(root: torch.nn.Module) -> Entries:
     return found
 
 
+def _global_tensors(root: torch.nn.Module) -> dict[str, tuple[dict, str, Any, Any, dict]]:
+    """`{name: (globals, name, value, contents, stamps)}` for the tensors, dicts and lists in
+    the globals of the user's files that define the classes of `root`. `stamps` gives each
+    tensor held (by dict key or list index) its identity and version; `contents` is a dict's
+    or list's shallow copy, to restore."""
+    found = {}
+    for cls in type(root).__mro__:
+        module = sys.modules.get(cls.__module__)
+        if module is None or cls.__module__.partition(".")[0] in _NOT_USER_FILES:
+            continue
+        namespace = vars(module)
+        for name, value in namespace.items():
+            if isinstance(value, torch.Tensor):
+                items, contents = {None: value}, None
+            elif type(value) is dict:
+                items, contents = value, dict(value)
+            elif type(value) is list:
+                items, contents = dict(enumerate(value)), list(value)
+            else:
+                continue
+            stamps = {
+                k: (id(v), v._version) for k, v in items.items() if isinstance(v, torch.Tensor)
+            }
+            found[f"{cls.__module__}.{name}"] = (namespace, name, value, contents, stamps)
+    return found
+
+
+def _settle_globals(before: dict, after: dict) -> tuple[list[str], list[str]]:
+    """What the step did to the tensors of module-level globals: changes to tensors that
+    were there (rebound, replaced, changed in place, removed, or appended to a list) are put
+    back and returned first; tensors added to a dict or to an unset global (a lazy cache of
+    constants, as on cpu) are kept and returned second."""
+    refused, kept = [], []
+    for key in [*before, *(k for k in after if k not in before)]:
+        old, new = before.get(key), after.get(key)
+        was, now = (old[4] if old else {}), (new[4] if new else {})
+        if was == now and (old is None or new is None or old[2] is new[2] or not was):
+            continue
+        grown = new is not None and type(new[2]) is list and len(now) > len(was)
+        if grown or any(now.get(k) != stamp for k, stamp in was.items()):
+            refused.append(f"the module-level global {key} (a tensor it holds)")
+        else:
+            kept.append(f"the module-level global {key}")
+            continue
+        namespace, name, value, contents, _ = old or new
+        if old is None:
+            del namespace[name]
+            continue
+        namespace[name] = value
+        if type(value) is dict:
+            value.clear()
+            value.update(contents)
+        elif type(value) is list:
+            value[:] = contents
+    return refused, kept
+
+
+_NOT_USER_FILES = frozenset(
+    {"builtins", "torch", "lightning", "pytorch_lightning", "mncore_lightning"}
+)
+
+
 def _current(holder: Any, key: Any) -> Any:
     if isinstance(holder, dict):
         return holder.get(key, _MISSING)
@@ -89,6 +156,7 @@ class PythonValues:
         self.read: set[str] = set()  # the LightningModule's own attributes the step read
         self.set_at: dict[str, str] = {}  # ... and the user's line that first set each one
         self.guarded: Entries = {}
+        self.global_tensors = _global_tensors(root)
 
     @contextlib.contextmanager
     def reading(self) -> Iterator[None]:
@@ -128,11 +196,18 @@ class PythonValues:
                 holder[name] = old[2]
             else:
                 object.__setattr__(holder, name, old[2])
+        global_refused, global_kept = _settle_globals(
+            self.global_tensors, _global_tensors(self.root)
+        )
+        refused += global_refused
+        kept += global_kept
         if kept:
             warnings.warn(
-                f"the compiled step changed Python values of submodules while it was traced "
-                f"({'; '.join(kept)}); they keep their new values. A compiled step runs its "
-                "Python once: if they would change at every step on cpu, keep them in tensors.",
+                "the compiled step changed Python values of submodules or module-level "
+                f"globals while it was traced ({'; '.join(kept)}); they keep their new values "
+                "(a cache filled on the first call, as on cpu). A compiled step runs its Python "
+                "once: if they would change at every step on cpu, keep them in tensors on the "
+                "module.",
                 stacklevel=2,
             )
         self.guarded = {

@@ -8,6 +8,7 @@ refused at trace time, by name, with the host value left as it was.
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import pytest
 import torch
@@ -151,3 +152,60 @@ def test_a_submodule_filling_a_cache_at_trace_time_keeps_it_and_warns():
     with pytest.warns(UserWarning, match=r"self.cache.cached_width: 0 -> 8"):
         strategy = _same_run(UsesALazyCache, max_epochs=2)
     assert strategy.retraces == 0
+
+
+TOTALS = {"loss": torch.zeros(())}
+LOSSES: list[torch.Tensor] = []
+POSITIONS: dict[int, torch.Tensor] = {}
+
+
+class KeepsTotalsInGlobals(LitClassifier):
+    """State kept in module-level globals, which a compiled step cannot carry."""
+
+    way = "replace"
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.way == "replace":
+            TOTALS["loss"] = TOTALS["loss"] + loss.detach()
+        elif self.way == "in place":
+            TOTALS["loss"].add_(loss.detach())
+        else:
+            LOSSES.append(loss.detach())
+        return loss
+
+
+@pytest.mark.parametrize("way", ["replace", "in place", "append"])
+def test_a_step_that_changes_tensors_in_module_globals_is_refused_by_name(way):
+    model_cls = type(f"KeepsTotals{way.title()}", (KeepsTotalsInGlobals,), {"way": way})
+    total, losses = TOTALS["loss"], list(LOSSES)
+    name = "LOSSES" if way == "append" else "TOTALS"
+    with pytest.raises(StaticGraphError, match=rf"global {__name__}\.{name} "):
+        fit_once("mncore", model_cls=model_cls)
+    assert TOTALS["loss"] is total and LOSSES == losses  # the bindings are as they were
+
+
+class CachesPositionsInAGlobal(LitClassifier):
+    """A cache of constants filled on the first call, as a lazy positional table."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if x.shape[-1] not in POSITIONS:
+            POSITIONS[x.shape[-1]] = torch.linspace(0.9, 1.1, x.shape[-1])
+        return super().training_step((x * POSITIONS[x.shape[-1]], y), batch_idx)
+
+
+def test_a_global_cache_of_constants_filled_at_trace_time_is_kept_with_a_warning():
+    runs = []
+    for accelerator in ("mncore", "cpu"):
+        POSITIONS.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            runs.append(fit_once(accelerator, model_cls=CachesPositionsInAGlobal))
+        cached = [w for w in caught if f"global {__name__}.POSITIONS" in str(w.message)]
+        assert len(cached) == (accelerator == "mncore")
+    (_, mn_model, mn_losses), (_, cpu_model, cpu_losses) = runs
+    torch.testing.assert_close(
+        torch.stack(mn_losses.losses), torch.stack(cpu_losses.losses), atol=ATOL, rtol=0
+    )
+    assert_state_close(cpu_model, mn_model)
