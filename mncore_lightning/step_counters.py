@@ -6,7 +6,8 @@ or epoch, but a compiled step is traced once. While tracing, each is a `LiveCoun
 Python number or a tensor, gives a tensor computed from a graph input that is fed the current
 value at every call (so a warm-up factor `step / 1000` or `1.0 + 0.1 * epoch` follows the
 step), indexing a tensor with it reads the live row, `torch.tensor(counter)` and
-`torch.as_tensor(counter)` give the live value, and `self.log` of it logs the current value.
+`torch.as_tensor(counter)` give the live value (as they do for the learning rate read from a
+param group), and `self.log` of it logs the current value.
 A scheduler's `get_last_lr()` gives its optimizer's live learning rates (optimizers/_base.py:
 LiveHyperparameter), which it equals between steps. Whatever needs the Python int itself (`if batch_idx == 0:`, `int(step)`, `range(epoch)`,
 `math.sqrt(step)`) cannot follow the value and raises StaticGraphError at the user's line.
@@ -28,6 +29,8 @@ from torch.utils._pytree import tree_map
 
 from mncore_device import StaticGraphError
 from mncore_device._source import user_frame
+
+from .optimizers import LiveHyperparameter
 
 COUNTER_PREFIX = "counter/"
 COUNTERS = ("batch_idx", "global_step", "current_epoch")
@@ -162,16 +165,21 @@ for _op in (
 
 
 def _has_counter(data: Any) -> bool:
+    """Whether `data` holds a counter or a live hyperparameter (the learning rate)."""
     if isinstance(data, (list, tuple)):
         return any(_has_counter(item) for item in data)
-    return isinstance(data, LiveCounter)
+    return isinstance(data, LiveCounter) or (
+        isinstance(data, LiveHyperparameter) and data.tensor is not None
+    )
 
 
 def _live_data(data: Any) -> torch.Tensor:
-    """`data` for torch.tensor, with each counter its live tensor (a list of numbers holding
-    a counter: one tensor, in the dtype torch.tensor would give the numbers)."""
+    """`data` for torch.tensor, with each counter or hyperparameter its live tensor (a list
+    of numbers holding one: one tensor, in the dtype torch.tensor would give the numbers)."""
     if isinstance(data, LiveCounter):
         return data.live()
+    if isinstance(data, LiveHyperparameter):
+        return data.tensor.to(torch.get_default_dtype())
     items = [_live_data(item) if _has_counter(item) else torch.tensor(item) for item in data]
     dtype = items[0].dtype
     for item in items[1:]:
@@ -181,7 +189,7 @@ def _live_data(data: Any) -> torch.Tensor:
 
 def _counter_aware(factory: Callable[..., torch.Tensor], copy: bool) -> Callable:
     """torch.tensor / torch.as_tensor, which read a Python number's value directly: given a
-    counter (or a list holding one), the live tensor instead."""
+    counter or a live learning rate (or a list holding one), the live tensor instead."""
 
     def wrapper(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         if not _has_counter(data):

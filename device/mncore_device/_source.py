@@ -54,6 +54,11 @@ def _is_library_in(filename: str, library_dirs: tuple[str, ...]) -> bool:
     return str(Path(filename).resolve()).startswith(library_dirs)
 
 
+def called_from_user_code() -> bool:
+    """Whether the function calling this one was called from user code, not a library's."""
+    return not _is_library(sys._getframe(2).f_code.co_filename)
+
+
 def user_frame_summary(
     frames: list[traceback.FrameSummary] | None = None,
 ) -> traceback.FrameSummary | None:

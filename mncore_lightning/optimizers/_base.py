@@ -25,6 +25,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils._pytree import tree_leaves, tree_map
 
+from mncore_device import StaticGraphError
+from mncore_device._source import called_from_user_code, user_frame
+
 Coefficients = Callable[[Mapping[str, Any]], dict[str, float]]
 
 # Group keys whose values feed the coefficient tensors. They are always stored as Python
@@ -144,6 +147,29 @@ for _op in (
 ):
     setattr(LiveHyperparameter, _op, _live_arithmetic(_op))
 
+
+def _live_comparison(name: str) -> Callable[..., Any]:
+    def method(self: LiveHyperparameter, other: Any) -> Any:
+        if isinstance(other, Tensor):  # the tensor's comparison, which follows the live value
+            return NotImplemented
+        if self.reader is not None and called_from_user_code():
+            raise StaticGraphError(
+                f"Python code compares a hyperparameter read from a param group ({float(self)} "
+                f"when the step was traced) at {user_frame()}. A compiled step is traced once, "
+                "so the comparison would keep its trace-time result while the schedule moves "
+                "the value. Compute with it instead (torch.where(torch.as_tensor(lr) < x, a, "
+                "b) follows the live value), or compare it in a hook outside the step."
+            )
+        plain = float(other) if isinstance(other, LiveHyperparameter) else other
+        return getattr(float, name)(float(self), plain)
+
+    method.__name__ = name
+    return method
+
+
+for _op in ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__"):
+    setattr(LiveHyperparameter, _op, _live_comparison(_op))
+LiveHyperparameter.__hash__ = float.__hash__  # type: ignore[method-assign]
 
 _tracing = [False]
 

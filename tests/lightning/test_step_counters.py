@@ -244,3 +244,32 @@ def test_control_flow_on_a_schedulers_count_raises_at_the_line():
     lineno = first + next(i for i, t in enumerate(lines) if "last_epoch < 1" in t)
     with pytest.raises(StaticGraphError, match=rf"last_epoch.*:{lineno}"):
         fit_once("mncore", model_cls=BranchesOnItsScheduler, model_kwargs={"scheduler": "step"})
+
+
+class ComparesTheLearningRate(LitClassifier):
+    """Comparisons with the learning rate that follow it: through a tensor, and with one."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        lr = self.optimizers().param_groups[0]["lr"]
+        boost = torch.where(torch.as_tensor(lr) < 0.07, 2.0, 1.0)
+        return loss * boost + (lr < loss.detach()).float() * 0.01
+
+
+def test_comparing_the_learning_rate_through_tensors_follows_it():
+    _both(ComparesTheLearningRate, model_kwargs={"scheduler": "step"}, max_epochs=3)
+
+
+class BranchesOnTheLearningRate(LitClassifier):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.optimizers().param_groups[0]["lr"] < 0.07:  # frozen if it were compared
+            loss = loss * 2
+        return loss
+
+
+def test_a_python_comparison_of_the_learning_rate_raises_at_the_line():
+    lines, first = inspect.getsourcelines(BranchesOnTheLearningRate.training_step)
+    lineno = first + next(i for i, t in enumerate(lines) if "< 0.07" in t)
+    with pytest.raises(StaticGraphError, match=rf"compares a hyperparameter.*:{lineno}"):
+        fit_once("mncore", model_cls=BranchesOnTheLearningRate, model_kwargs={"scheduler": "step"})
