@@ -85,7 +85,7 @@ def _is_plain_object(value: Any) -> bool:
     return plain
 
 
-def _state_owners(root: torch.nn.Module) -> list[tuple[str, Any]]:
+def state_owners(root: torch.nn.Module) -> list[tuple[str, Any]]:
     """(path, owner) for every module under `root` and every plain object one of them holds
     in an attribute: the objects whose tensor attributes a step may keep.
 
@@ -116,7 +116,7 @@ def tensor_attributes(root: torch.nn.Module) -> dict[str, tuple[Any, str, Any]]:
     (not a parameter or a buffer)."""
     return {
         f"{CARRY_PREFIX}{path}{name}": (owner, name, value)
-        for path, owner in _state_owners(root)
+        for path, owner in state_owners(root)
         for name, value in vars(owner).items()
         if name not in _NOT_CARRIED and _tensor_tree(value) is not None
     }
@@ -152,7 +152,7 @@ class CarriedState:
 
     def bind(self, graph_inputs: Mapping[str, torch.Tensor]) -> None:
         """While tracing: the modules' attributes are the graph's inputs."""
-        owners = [owner for _, owner in _state_owners(self.root)]
+        owners = [owner for _, owner in state_owners(self.root)]
         self._before = {id(owner): dict(vars(owner)) for owner in owners}
         # a dict the step fills in place (`self.stats["loss"] = ...`): its contents, to restore
         self._dict_contents = [

@@ -18,15 +18,19 @@ torchmetrics (which run on the host) are left out.
 
 Tensors in the module-level globals of the files that define the LightningModule's classes
 (`TOTAL = TOTAL + loss`, `HISTORY["loss"] = loss`, `LOSSES.append(loss)`) cannot be carried:
-a step that rebinds, replaces, adds or changes one in place is refused the same way.
+a step that rebinds, replaces, adds or changes one in place is refused the same way. So is a
+step that draws from a Python or NumPy random generator object (`np.random.default_rng()`,
+`random.Random()`) held by a module or a global: the draw would happen once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import pickle
+import random
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -35,6 +39,7 @@ from lightning.pytorch import LightningModule
 from mncore_device import StaticGraphError
 from mncore_device._source import user_frame
 
+from .carried_state import state_owners
 from .side_effects import is_metric
 
 _SCALARS = (bool, int, float, str)
@@ -81,11 +86,7 @@ def _global_tensors(root: torch.nn.Module) -> dict[str, tuple[dict, str, Any, An
     tensor held (by dict key or list index) its identity and version; `contents` is a dict's
     or list's shallow copy, to restore."""
     found = {}
-    for cls in type(root).__mro__:
-        module = sys.modules.get(cls.__module__)
-        if module is None or cls.__module__.partition(".")[0] in _NOT_USER_FILES:
-            continue
-        namespace = vars(module)
+    for module_name, namespace in _user_namespaces(root):
         for name, value in namespace.items():
             if isinstance(value, torch.Tensor):
                 items, contents = {None: value}, None
@@ -98,8 +99,74 @@ def _global_tensors(root: torch.nn.Module) -> dict[str, tuple[dict, str, Any, An
             stamps = {
                 k: (id(v), v._version) for k, v in items.items() if isinstance(v, torch.Tensor)
             }
-            found[f"{cls.__module__}.{name}"] = (namespace, name, value, contents, stamps)
+            found[f"{module_name}.{name}"] = (namespace, name, value, contents, stamps)
     return found
+
+
+def _generator_kinds() -> list[tuple[type, Callable[[Any], Any], Callable[[Any, Any], None]]]:
+    """Python's and NumPy's random generator classes, with how to read and set a state."""
+    kinds: list[tuple[type, Callable[[Any], Any], Callable[[Any, Any], None]]] = [
+        (random.Random, lambda g: g.getstate(), lambda g, s: g.setstate(s))
+    ]
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        kinds.append(
+            (
+                numpy.random.Generator,
+                lambda g: g.bit_generator.state,
+                lambda g, s: setattr(g.bit_generator, "state", s),
+            )
+        )
+        kinds.append(
+            (numpy.random.RandomState, lambda g: g.get_state(), lambda g, s: g.set_state(s))
+        )
+    return kinds
+
+
+def _generators(root: torch.nn.Module, namespaces: list[tuple[str, dict]]) -> dict[str, tuple]:
+    """`{name: (generator, state, pickled state, set_state)}` for the Python and NumPy random
+    generators a step can reach: attributes of modules and of plain objects they hold, and
+    globals of the user's files."""
+    kinds = _generator_kinds()
+    places = [(f"self.{path}", vars(owner)) for path, owner in state_owners(root)]
+    places += [
+        (f"the module-level global {prefix}.", namespace) for prefix, namespace in namespaces
+    ]
+    found = {}
+    for prefix, namespace in places:
+        for name, value in namespace.items():
+            for cls, get_state, set_state in kinds:
+                if isinstance(value, cls):
+                    state = get_state(value)
+                    found[prefix + name] = (value, state, pickle.dumps(state), set_state)
+    return found
+
+
+def _user_namespaces(root: torch.nn.Module) -> list[tuple[str, dict]]:
+    """(module name, globals) of the user's files that define the classes of `root`."""
+    found = {}
+    for cls in type(root).__mro__:
+        module = sys.modules.get(cls.__module__)
+        if module is not None and cls.__module__.partition(".")[0] not in _NOT_USER_FILES:
+            found[cls.__module__] = vars(module)
+    return list(found.items())
+
+
+def _settle_generators(before: dict[str, tuple]) -> list[str]:
+    """The generators the step drew from while it was traced, put back as they were."""
+    drawn = []
+    for name, (generator, state, pickled, set_state) in before.items():
+        if pickle.dumps(_state_of(generator)) != pickled:
+            drawn.append(
+                f"{name}, a random generator the step drew from (draw with torch.rand or "
+                "torch.randn instead: the step carries torch's default generator)"
+            )
+            set_state(generator, state)
+    return drawn
+
+
+def _state_of(generator: Any) -> Any:
+    return next(get(generator) for cls, get, _ in _generator_kinds() if isinstance(generator, cls))
 
 
 def _settle_globals(before: dict, after: dict) -> tuple[list[str], list[str]]:
@@ -157,6 +224,7 @@ class PythonValues:
         self.set_at: dict[str, str] = {}  # ... and the user's line that first set each one
         self.guarded: Entries = {}
         self.global_tensors = _global_tensors(root)
+        self.generators = _generators(root, _user_namespaces(root))
 
     @contextlib.contextmanager
     def reading(self) -> Iterator[None]:
@@ -199,7 +267,7 @@ class PythonValues:
         global_refused, global_kept = _settle_globals(
             self.global_tensors, _global_tensors(self.root)
         )
-        refused += global_refused
+        refused += global_refused + _settle_generators(self.generators)
         kept += global_kept
         if kept:
             warnings.warn(

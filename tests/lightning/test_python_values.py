@@ -8,8 +8,11 @@ refused at trace time, by name, with the host value left as it was.
 from __future__ import annotations
 
 import inspect
+import random
+import re
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -209,3 +212,43 @@ def test_a_global_cache_of_constants_filled_at_trace_time_is_kept_with_a_warning
         torch.stack(mn_losses.losses), torch.stack(cpu_losses.losses), atol=ATOL, rtol=0
     )
     assert_state_close(cpu_model, mn_model)
+
+
+MIXUP_RNG = np.random.default_rng(7)
+
+
+class MixesWithAHostGenerator(LitClassifier):
+    """A mixup weight drawn from a generator object the module holds (or a global one):
+    drawn once at trace time, so refused."""
+
+    source = "numpy"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generators = {"numpy": np.random.default_rng(7), "python": random.Random(7)}
+        self.rng, self.py_rng = self.generators["numpy"], self.generators["python"]
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.source == "numpy":
+            lam = self.rng.beta(0.4, 0.4)
+        elif self.source == "python":
+            lam = self.py_rng.random()
+        else:
+            lam = MIXUP_RNG.random()
+        return super().training_step((x * lam, y), batch_idx)
+
+
+@pytest.mark.parametrize(
+    ("source", "named"),
+    [("numpy", "self.rng"), ("python", "self.py_rng"), ("global", f"{__name__}.MIXUP_RNG")],
+)
+def test_drawing_from_a_host_generator_object_is_refused_and_its_state_put_back(source, named):
+    model_cls = type(f"Mixes{source.title()}", (MixesWithAHostGenerator,), {"source": source})
+    global_state = MIXUP_RNG.bit_generator.state
+    model = model_cls()
+    with pytest.raises(StaticGraphError, match=rf"{re.escape(named)}, a random generator"):
+        make_trainer("mncore").fit(model, loader(shuffle=True))
+    assert MIXUP_RNG.bit_generator.state == global_state  # the trace's draw is undone
+    assert model.rng.random() == np.random.default_rng(7).random()
+    assert model.py_rng.random() == random.Random(7).random()
