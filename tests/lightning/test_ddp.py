@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -71,12 +70,6 @@ def _launch(command: list[str], out: Path) -> None:
     assert process.returncode == 0, output[-8000:]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _results(out: Path, run: str) -> list[dict]:
     return [torch.load(out / f"{run}-rank{r}.pt", weights_only=False) for r in (0, 1)]
 
@@ -94,7 +87,9 @@ def torchrun_launch(tmp_path_factory) -> Path:
     """The same script under `torchrun --nproc_per_node 2` (TorchElastic's environment)."""
     out = tmp_path_factory.mktemp("ddp_torchrun")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    command += ["--master_port", str(_free_port()), "-m", SCRIPT, str(out), *TORCHRUN_RUNS]
+    # --standalone: torchrun binds a free port itself (a port picked here could be taken
+    # before torchrun binds it)
+    command += ["--standalone", "-m", SCRIPT, str(out), *TORCHRUN_RUNS]
     _launch(command, out)
     return out
 
