@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_map
 from mncore_device import StaticGraphError
 from mncore_device._source import user_frame
 
-from .optimizers import LiveHyperparameter
+from .optimizers._base import ARITHMETIC, LiveHyperparameter, operator_methods
 
 COUNTER_PREFIX = "counter/"
 COUNTERS = ("batch_idx", "global_step", "current_epoch")
@@ -143,20 +143,7 @@ def _arithmetic(name: str):
 
 
 for _op in (
-    "__add__",
-    "__radd__",
-    "__sub__",
-    "__rsub__",
-    "__mul__",
-    "__rmul__",
-    "__truediv__",
-    "__rtruediv__",
-    "__floordiv__",
-    "__rfloordiv__",
-    "__mod__",
-    "__rmod__",
-    "__pow__",
-    "__rpow__",
+    *operator_methods((*ARITHMETIC, "floordiv", "mod")),
     "__neg__",
     "__pos__",
     "__abs__",

@@ -132,19 +132,16 @@ def _live_arithmetic(name: str) -> Callable[..., Any]:
     return method
 
 
-for _op in (
-    "__add__",
-    "__radd__",
-    "__sub__",
-    "__rsub__",
-    "__mul__",
-    "__rmul__",
-    "__truediv__",
-    "__rtruediv__",
-    "__pow__",
-    "__rpow__",
-    "__neg__",
-):
+# Python's arithmetic operators on numbers, by name: each as `__op__` and reflected `__rop__`
+ARITHMETIC = ("add", "sub", "mul", "truediv", "pow")
+
+
+def operator_methods(names: tuple[str, ...]) -> list[str]:
+    """`__op__` and `__rop__` for each name."""
+    return [f"__{r}{name}__" for name in names for r in ("", "r")]
+
+
+for _op in (*operator_methods(ARITHMETIC), "__neg__"):
     setattr(LiveHyperparameter, _op, _live_arithmetic(_op))
 
 

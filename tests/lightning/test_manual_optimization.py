@@ -129,13 +129,17 @@ class PlateauInTheStep(L.LightningModule):
         self.layer = nn.Linear(32, 2)
         self.lrs: list[float] = []
 
-    def training_step(self, batch, batch_idx):
-        opt, sch = self.optimizers(), self.lr_schedulers()
+    def update(self, batch) -> torch.Tensor:
+        opt = self.optimizers()
         loss = self.layer(batch).pow(2).mean()
         opt.zero_grad()
         self.manual_backward(loss)
         opt.step()
-        sch.step(loss)  # the metric is this step's loss, on the host after each call
+        return loss
+
+    def training_step(self, batch, batch_idx):
+        loss = self.update(batch)
+        self.lr_schedulers().step(loss)  # this step's loss, on the host after each call
         return loss
 
     def on_train_batch_end(self, *args) -> None:
@@ -155,13 +159,9 @@ def test_a_scheduler_stepped_with_the_loss_in_a_manual_step_gets_each_steps_loss
 
 class SchedulesBetweenUpdates(PlateauInTheStep):
     def training_step(self, batch, batch_idx):
-        opt, sch = self.optimizers(), self.lr_schedulers()
         for _ in range(2):
-            loss = self.layer(batch).pow(2).mean()
-            opt.zero_grad()
-            self.manual_backward(loss)
-            opt.step()
-            sch.step(loss)
+            loss = self.update(batch)
+            self.lr_schedulers().step(loss)
         return loss
 
 
@@ -174,11 +174,8 @@ class LogsItsSchedulerAfterStepping(PlateauInTheStep):
     """StepLR stepped in the step, then its last learning rate and count logged."""
 
     def training_step(self, batch, batch_idx):
-        opt, sch = self.optimizers(), self.lr_schedulers()
-        loss = self.layer(batch).pow(2).mean()
-        opt.zero_grad()
-        self.manual_backward(loss)
-        opt.step()
+        sch = self.lr_schedulers()
+        loss = self.update(batch)
         before = sch.last_epoch
         sch.step()
         self.log("counted", sch.last_epoch - before)

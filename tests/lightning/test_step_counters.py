@@ -45,6 +45,15 @@ def _both(model_cls, keys=(), **kwargs):
     return cpu_spy.values, mn_spy.values
 
 
+def _raises_at_the_line(model_cls, marker: str, message: str, **kwargs) -> None:
+    """Fitting `model_cls` raises StaticGraphError matching `message` and naming the line of
+    its training_step that holds `marker`."""
+    lines, first = inspect.getsourcelines(model_cls.training_step)
+    lineno = first + next(i for i, t in enumerate(lines) if marker in t)
+    with pytest.raises(StaticGraphError, match=rf"{message}.*:{lineno}"):
+        fit_once("mncore", model_cls=model_cls, **kwargs)
+
+
 class WarmUp(LitClassifier):
     """A warm-up on global_step and a KL-style weight on current_epoch, inside the loss."""
 
@@ -90,10 +99,7 @@ class BranchesOnStep(LitClassifier):
 
 
 def test_control_flow_on_a_counter_raises_at_the_line():
-    lines, first = inspect.getsourcelines(BranchesOnStep.training_step)
-    lineno = first + next(i for i, t in enumerate(lines) if "self.global_step < 2" in t)
-    with pytest.raises(StaticGraphError, match=rf"global_step.*:{lineno}.*torch.where"):
-        fit_once("mncore", model_cls=BranchesOnStep)
+    _raises_at_the_line(BranchesOnStep, "self.global_step < 2", "global_step")
 
 
 class LogsAPythonNumber(LitClassifier):
@@ -240,10 +246,9 @@ class BranchesOnItsScheduler(LitClassifier):
 
 
 def test_control_flow_on_a_schedulers_count_raises_at_the_line():
-    lines, first = inspect.getsourcelines(BranchesOnItsScheduler.training_step)
-    lineno = first + next(i for i, t in enumerate(lines) if "last_epoch < 1" in t)
-    with pytest.raises(StaticGraphError, match=rf"last_epoch.*:{lineno}"):
-        fit_once("mncore", model_cls=BranchesOnItsScheduler, model_kwargs={"scheduler": "step"})
+    _raises_at_the_line(
+        BranchesOnItsScheduler, "last_epoch < 1", "last_epoch", model_kwargs={"scheduler": "step"}
+    )
 
 
 class ComparesTheLearningRate(LitClassifier):
@@ -269,7 +274,9 @@ class BranchesOnTheLearningRate(LitClassifier):
 
 
 def test_a_python_comparison_of_the_learning_rate_raises_at_the_line():
-    lines, first = inspect.getsourcelines(BranchesOnTheLearningRate.training_step)
-    lineno = first + next(i for i, t in enumerate(lines) if "< 0.07" in t)
-    with pytest.raises(StaticGraphError, match=rf"compares a hyperparameter.*:{lineno}"):
-        fit_once("mncore", model_cls=BranchesOnTheLearningRate, model_kwargs={"scheduler": "step"})
+    _raises_at_the_line(
+        BranchesOnTheLearningRate,
+        "< 0.07",
+        "compares a hyperparameter",
+        model_kwargs={"scheduler": "step"},
+    )
