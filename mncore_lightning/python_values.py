@@ -11,7 +11,8 @@ once, at trace time. On cpu both follow every step. So:
   values changed is traced again, as on cpu the next step would compute with the new value.
 
 What counts: bool, int, float and str attributes of every module under the LightningModule
-(and their entries in plain dicts the modules hold), and the LightningModule's hparams. On
+and of the plain objects they hold (and their entries in plain dicts the modules hold), and
+the LightningModule's hparams. On
 the LightningModule itself, only the attributes the step read are guarded: hooks there keep
 plenty of bookkeeping (`self.best_val_acc`) that no step reads. Lightning's own attributes and
 torchmetrics (which run on the host) are left out.
@@ -40,7 +41,6 @@ from mncore_device import StaticGraphError
 from mncore_device._source import user_frame
 
 from .carried_state import state_owners
-from .side_effects import is_metric
 
 _SCALARS = (bool, int, float, str)
 _TRACKED = (*_SCALARS, dict)  # a dict read by the step: its Python entries are guarded
@@ -59,15 +59,13 @@ Entries = dict[str, tuple[Any, Any, Any]]
 def _entries(root: torch.nn.Module) -> Entries:
     """Every guarded Python value under `root`, by the name the user wrote it with."""
     found: Entries = {}
-    for path, module in root.named_modules():
-        if is_metric(module):
-            continue
-        prefix = f"self.{path}." if path else "self."
-        for name, value in vars(module).items():
-            if name in _LIGHTNING_OWN:
+    for path, owner in state_owners(root):  # modules, and plain objects they hold
+        prefix = f"self.{path}"
+        for name, value in vars(owner).items():
+            if name in _LIGHTNING_OWN and isinstance(owner, torch.nn.Module):
                 continue
             if type(value) in _SCALARS:
-                found[prefix + name] = (module, name, value)
+                found[prefix + name] = (owner, name, value)
             elif type(value) is dict:
                 for key, item in value.items():
                     if type(item) in _SCALARS:
@@ -220,6 +218,12 @@ class PythonValues:
     def __init__(self, root: torch.nn.Module) -> None:
         self.root = root
         self.before = _entries(root)
+        # plain objects the modules hold: the user's own state, refused like the root's
+        self.plain_objects = tuple(
+            f"self.{path}"
+            for path, owner in state_owners(root)
+            if not isinstance(owner, torch.nn.Module)
+        )
         self.read: set[str] = set()  # the LightningModule's own attributes the step read
         self.set_at: dict[str, str] = {}  # ... and the user's line that first set each one
         self.guarded: Entries = {}
@@ -253,7 +257,7 @@ class PythonValues:
             change = f"{key}: {_shown(old)} -> {_shown(new)}"
             where = self.set_at.get(key.removeprefix("self."))
             change += f" at {where}" if where else ""
-            if _on_submodule(key):
+            if _on_submodule(key) and not key.startswith(self.plain_objects):
                 kept.append(change)
                 continue
             refused.append(change)

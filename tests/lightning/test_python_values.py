@@ -252,3 +252,43 @@ def test_drawing_from_a_host_generator_object_is_refused_and_its_state_put_back(
     assert MIXUP_RNG.bit_generator.state == global_state  # the trace's draw is undone
     assert model.rng.random() == np.random.default_rng(7).random()
     assert model.py_rng.random() == random.Random(7).random()
+
+
+class Settings:
+    """A plain object of the user's holding Python numbers."""
+
+    def __init__(self) -> None:
+        self.scale = 1.0
+        self.steps = 0
+
+
+class ReadsPlainSettings(LitClassifier):
+    """The step reads a number on a plain object, which a hook changes every epoch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.settings = Settings()
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) * self.settings.scale
+
+    def on_train_epoch_end(self) -> None:
+        self.settings.scale *= 0.5
+
+
+def test_numbers_on_a_plain_object_changed_by_a_hook_are_followed():
+    strategy = _same_run(ReadsPlainSettings, max_epochs=3)
+    assert strategy.retraces >= 1
+
+
+class CountsOnAPlainObject(ReadsPlainSettings):
+    def training_step(self, batch, batch_idx):
+        self.settings.steps += 1
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_step_that_changes_a_number_on_a_plain_object_is_refused_and_put_back():
+    model = CountsOnAPlainObject()
+    with pytest.raises(StaticGraphError, match=r"self\.settings\.steps: 0 -> 1"):
+        make_trainer("mncore").fit(model, loader())
+    assert model.settings.steps == 0
