@@ -28,7 +28,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils._pytree import tree_map
 
 from mncore_device import StaticGraphError
-from mncore_device._source import user_frame
+from mncore_device._source import called_from_user_code, user_frame
 
 from .optimizers._base import ARITHMETIC, LiveHyperparameter, operator_methods
 
@@ -213,8 +213,26 @@ def _live_class(cls: type, names: tuple[str, ...]) -> type:
             )
         if issubclass(cls, LRScheduler):
             members["get_last_lr"] = _live_last_lr
+        last_batch = getattr(cls, "is_last_batch", None)
+        if isinstance(last_batch, property):  # the Trainer
+            members["is_last_batch"] = property(_last_batch_refused(last_batch))
         _LIVE_CLASSES[cls] = type(cls.__name__, (cls,), members)
     return _LIVE_CLASSES[cls]
+
+
+def _last_batch_refused(original: property) -> Callable[[Any], bool]:
+    def is_last_batch(self: Any) -> bool:
+        """Refused to the user's step: it is False at every batch but an epoch's last."""
+        if called_from_user_code():
+            raise StaticGraphError(
+                f"the step reads trainer.is_last_batch at {user_frame()}. A compiled step is "
+                "traced once, so it would read the traced batch's value (False, but for a "
+                "one-batch epoch) at every step. Do the last batch's work in "
+                "on_train_batch_end, which may read it, or in on_train_epoch_end."
+            )
+        return original.fget(self)
+
+    return is_last_batch
 
 
 def _refuse_write(owner: Any, name: str) -> None:

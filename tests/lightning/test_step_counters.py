@@ -280,3 +280,14 @@ def test_a_python_comparison_of_the_learning_rate_raises_at_the_line():
         "compares a hyperparameter",
         model_kwargs={"scheduler": "step"},
     )
+
+
+class ReadsIsLastBatch(LitClassifier):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("last", float(self.trainer.is_last_batch))  # True at one batch on cpu
+        return loss
+
+
+def test_reading_is_last_batch_in_the_step_raises_at_the_line():
+    _raises_at_the_line(ReadsIsLastBatch, "is_last_batch", "trainer.is_last_batch")
