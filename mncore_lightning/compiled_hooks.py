@@ -142,6 +142,14 @@ class LogRecorder:
         self.step = step
 
     def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        options = [*args, *kwargs.values()]
+        if any(isinstance(option, (torch.Tensor, LiveCounter)) for option in options):
+            raise StaticGraphError(
+                f"self.log({name!r}, ...) passes an option (such as batch_size) computed in "
+                f"the step or from a step counter, at {user_frame()}. The logging options are "
+                "fixed when the step is traced: pass a Python number that does not change "
+                "between steps, or log from a hook outside the step."
+            )
         if self.batch_size is not None and not args:
             kwargs.setdefault("batch_size", self.batch_size)
         if isinstance(value, LiveHyperparameter) and value.reader is None:

@@ -291,3 +291,14 @@ class ReadsIsLastBatch(LitClassifier):
 
 def test_reading_is_last_batch_in_the_step_raises_at_the_line():
     _raises_at_the_line(ReadsIsLastBatch, "is_last_batch", "trainer.is_last_batch")
+
+
+class LogsWithACountedBatchSize(LitClassifier):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("weighted", loss, on_epoch=True, batch_size=batch_idx + 1)  # frozen if kept
+        return loss
+
+
+def test_a_logging_option_computed_from_a_counter_raises_at_the_line():
+    _raises_at_the_line(LogsWithACountedBatchSize, "batch_size=batch_idx", "passes an option")
