@@ -25,8 +25,8 @@ from tests.lightning.lightning_testing import (
 
 
 class LoggingClassifier(LitClassifier):
-    """Logs the loss, a value computed from the live step counter and the learning rate at
-    every step, and keeps every value Lightning received from `self.log`, in call order."""
+    """Logs the loss, a value computed from the live step counter, the learning rate and its
+    scheduler's last rate and count at every step, and keeps every value Lightning received from `self.log`, in call order."""
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -39,6 +39,8 @@ class LoggingClassifier(LitClassifier):
         self.log("train_loss", loss, on_step=True, on_epoch=True)
         self.log("step_x2", self.global_step * 2.0 + batch_idx)  # arithmetic on live counters
         self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+        self.log("last_lr", self.lr_schedulers().get_last_lr()[0])  # the scheduler's, live
+        self.log("scheduler_epoch", self.lr_schedulers().last_epoch)
         return loss
 
     def log(self, name, value, *args, **kwargs):
@@ -71,7 +73,7 @@ def test_k_steps_per_call_trains_as_one_step_per_call():
 
     # every step's logged loss, counter-derived value and learning rate, in order
     assert [n for n, _ in k_model.logged] == [n for n, _ in one_model.logged]
-    assert len(k_model.logged) == 3 * 20
+    assert len(k_model.logged) == 5 * 20
     for (name, k_value), (_, one_value), (_, cpu_value) in zip(
         k_model.logged, one_model.logged, cpu_model.logged, strict=True
     ):
