@@ -19,6 +19,7 @@ traced, `torch.compiler.is_compiling()` is true, so libraries take their tracing
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import importlib
 import operator
@@ -48,7 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ._source import user_frame, user_frame_summary
+from ._source import called_from_user_code, user_frame, user_frame_summary
 from .errors import StaticGraphError
 from .naming import get_tensor_name
 from .specs import TensorSpec
@@ -157,6 +158,7 @@ def trace_step(
             guard,
             _autocast(args, autocast_dtype),
             _host_random_refused(),
+            _prints_noted(),
         ):
             result = function(batch)
         output_specs.update((k, TensorSpec.of(v)) for k, v in _check_outputs(result).items())
@@ -460,6 +462,32 @@ def _host_random_refused():
     finally:
         for module, name, original in patched:
             setattr(module, name, original)
+
+
+@contextlib.contextmanager
+def _prints_noted():
+    """While the step is traced, a print() in user code warns (once per trace) that it runs
+    at trace time only: a user who prints a loss to follow training would see one value."""
+    original = builtins.print
+    warned = []
+
+    def noted_print(*args: Any, **kwargs: Any) -> None:
+        if not warned and called_from_user_code():
+            warned.append(True)
+            warnings.warn(
+                f"print() in the compiled step at {user_frame()} runs once, when the step is "
+                "traced, and shows the traced batch's values; it does not run at each call. "
+                "Log values with the framework's logging (self.log in Lightning) or print "
+                "them from a hook outside the step.",
+                stacklevel=2,
+            )
+        original(*args, **kwargs)
+
+    builtins.print = noted_print
+    try:
+        yield
+    finally:
+        builtins.print = original
 
 
 def _refusing(name: str) -> Callable[..., Any]:

@@ -166,6 +166,21 @@ def test_host_values_outside_the_graph_are_fine(context):
     torch.testing.assert_close(compiled({"x": torch.ones(2)})["y"], torch.full((2,), 3.0))
 
 
+def test_a_print_in_the_step_warns_once_that_it_runs_at_trace_time(context, capsys):
+    def step(batch):
+        print("x", batch["x"].sum())
+        print("again")  # one warning per trace
+        return {"y": batch["x"] * 2}
+
+    with pytest.warns(UserWarning, match=r"print\(\) in the compiled step at .*runs once") as w:
+        compiled = compile_o0(context, step, {"x": torch.ones(2)})
+    assert [str(r.message).count(f"{HERE}:{line_of(step, 'print(')}") for r in w] == [1]
+    compiled({"x": torch.ones(2)})
+    assert capsys.readouterr().out.count("again") == 1  # printed at trace time only
+    print("after the trace")  # print is itself again
+    assert capsys.readouterr().out == "after the trace\n"
+
+
 # --- the debug preset ---------------------------------------------------------------------
 
 
