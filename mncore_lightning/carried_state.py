@@ -57,29 +57,28 @@ def _tensor_tree(value: Any) -> tuple[list[torch.Tensor], TreeSpec] | None:
     return leaves, spec
 
 
-# Objects of these packages are no state of the user's step (the Trainer, a DataModule's
-# loaders, functions): only plain objects of the user's own classes are.
+# Classes of these packages, and the user's classes derived from them (the Trainer, a
+# LightningDataModule, a Dataset, a Callback, functions), are no state of the user's step:
+# only plain objects of the user's own classes are.
 _FOREIGN_PACKAGES = frozenset(
     {"builtins", "functools", "types", "torch", "torchmetrics", "numpy"}
     | {"lightning", "lightning_fabric", "pytorch_lightning", "mncore_lightning", "mncore_device"}
-)
-_NOT_STATE_OWNERS = (
-    torch.utils.data.Dataset,
-    torch.utils.data.DataLoader,
-    torch.utils.data.Sampler,
 )
 _plain_types: dict[type, bool] = {}
 
 
 def _is_plain_object(value: Any) -> bool:
-    """A plain Python object of the user's (its own `__dict__`), or a SimpleNamespace."""
+    """A plain Python object of the user's (its own `__dict__`, no base class from a
+    library), or a SimpleNamespace."""
     cls = type(value)
     plain = _plain_types.get(cls)
     if plain is None:
         plain = cls is SimpleNamespace or (
             isinstance(getattr(value, "__dict__", None), dict)
-            and cls.__module__.partition(".")[0] not in _FOREIGN_PACKAGES
-            and not issubclass(cls, (torch.nn.Module, torch.Tensor, type, *_NOT_STATE_OWNERS))
+            and all(
+                base is object or base.__module__.partition(".")[0] not in _FOREIGN_PACKAGES
+                for base in cls.__mro__
+            )
         )
         _plain_types[cls] = plain
     return plain

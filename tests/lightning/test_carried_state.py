@@ -8,11 +8,13 @@ from __future__ import annotations
 import dataclasses
 from types import SimpleNamespace
 
+import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.demos.lstm import LightningLSTM, SimpleLSTM
 from torch.utils.data import DataLoader, TensorDataset
 
+from mncore_lightning.carried_state import signature
 from tests.lightning.lightning_testing import ATOL, LitClassifier, assert_state_close, fit_once
 
 
@@ -206,3 +208,25 @@ def test_tensors_on_plain_objects_the_module_holds_are_carried():
     ):
         torch.testing.assert_close(read(mn_model), read(cpu_model), atol=ATOL, rtol=0)
     assert int(mn_model.namespace.count) == mn_model.trainer.global_step > 1
+
+
+class HoldsLibraryObjects(KeepsTotalsOnPlainObjects):
+    """Besides its tracker, holds a LightningDataModule and a Dataset of its own classes,
+    whose tensors are data, not state of the step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.datamodule_ref = _TableDataModule()
+        self.dataset_ref = TensorDataset(torch.randn(8, 4))
+
+
+class _TableDataModule(L.LightningDataModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = torch.randn(1000, 4)
+
+
+def test_only_plain_objects_of_the_users_classes_are_carried():
+    carried = {key for key, *_ in signature(HoldsLibraryObjects())}
+    assert {"carry/totals.total", "carry/namespace.count"} <= carried
+    assert not any("datamodule_ref" in key or "dataset_ref" in key for key in carried)
