@@ -60,7 +60,7 @@ def _tensor_tree(value: Any) -> tuple[list[torch.Tensor], TreeSpec] | None:
 # Classes of these packages, and the user's classes derived from them (the Trainer, a
 # LightningDataModule, a Dataset, a Callback, functions), are no state of the user's step:
 # only plain objects of the user's own classes are.
-_FOREIGN_PACKAGES = frozenset(
+LIBRARY_PACKAGES = frozenset(
     {"builtins", "functools", "types", "torch", "torchmetrics", "numpy"}
     | {"lightning", "lightning_fabric", "pytorch_lightning", "mncore_lightning", "mncore_device"}
 )
@@ -76,7 +76,7 @@ def _is_plain_object(value: Any) -> bool:
         plain = cls is SimpleNamespace or (
             isinstance(getattr(value, "__dict__", None), dict)
             and all(
-                base is object or base.__module__.partition(".")[0] not in _FOREIGN_PACKAGES
+                base is object or base.__module__.partition(".")[0] not in LIBRARY_PACKAGES
                 for base in cls.__mro__
             )
         )

@@ -12,10 +12,9 @@ once, at trace time. On cpu both follow every step. So:
 
 What counts: bool, int, float and str attributes of every module under the LightningModule
 and of the plain objects they hold (and their entries in plain dicts the modules hold), and
-the LightningModule's hparams. On
-the LightningModule itself, only the attributes the step read are guarded: hooks there keep
-plenty of bookkeeping (`self.best_val_acc`) that no step reads. Lightning's own attributes and
-torchmetrics (which run on the host) are left out.
+the LightningModule's hparams. On the LightningModule itself, only the attributes the step
+read are guarded: hooks there keep plenty of bookkeeping (`self.best_val_acc`) that no step
+reads. Lightning's own attributes and torchmetrics (which run on the host) are left out.
 
 Tensors in the module-level globals of the files that define the LightningModule's classes
 (`TOTAL = TOTAL + loss`, `HISTORY["loss"] = loss`, `LOSSES.append(loss)`) cannot be carried:
@@ -40,7 +39,7 @@ from lightning.pytorch import LightningModule
 from mncore_device import StaticGraphError
 from mncore_device._source import user_frame
 
-from .carried_state import state_owners
+from .carried_state import LIBRARY_PACKAGES, state_owners
 
 _SCALARS = (bool, int, float, str)
 _TRACKED = (*_SCALARS, dict)  # a dict read by the step: its Python entries are guarded
@@ -122,9 +121,9 @@ def _generator_kinds() -> list[tuple[type, Callable[[Any], Any], Callable[[Any, 
 
 
 def _generators(root: torch.nn.Module, namespaces: list[tuple[str, dict]]) -> dict[str, tuple]:
-    """`{name: (generator, state, pickled state, set_state)}` for the Python and NumPy random
-    generators a step can reach: attributes of modules and of plain objects they hold, and
-    globals of the user's files."""
+    """`{name: (generator, state, pickled state, get_state, set_state)}` for the Python and
+    NumPy random generators a step can reach: attributes of modules and of plain objects they
+    hold, and globals of the user's files."""
     kinds = _generator_kinds()
     places = [(f"self.{path}", vars(owner)) for path, owner in state_owners(root)]
     places += [
@@ -136,7 +135,13 @@ def _generators(root: torch.nn.Module, namespaces: list[tuple[str, dict]]) -> di
             for cls, get_state, set_state in kinds:
                 if isinstance(value, cls):
                     state = get_state(value)
-                    found[prefix + name] = (value, state, pickle.dumps(state), set_state)
+                    found[prefix + name] = (
+                        value,
+                        state,
+                        pickle.dumps(state),
+                        get_state,
+                        set_state,
+                    )
     return found
 
 
@@ -145,7 +150,7 @@ def _user_namespaces(root: torch.nn.Module) -> list[tuple[str, dict]]:
     found = {}
     for cls in type(root).__mro__:
         module = sys.modules.get(cls.__module__)
-        if module is not None and cls.__module__.partition(".")[0] not in _NOT_USER_FILES:
+        if module is not None and cls.__module__.partition(".")[0] not in LIBRARY_PACKAGES:
             found[cls.__module__] = vars(module)
     return list(found.items())
 
@@ -153,18 +158,14 @@ def _user_namespaces(root: torch.nn.Module) -> list[tuple[str, dict]]:
 def _settle_generators(before: dict[str, tuple]) -> list[str]:
     """The generators the step drew from while it was traced, put back as they were."""
     drawn = []
-    for name, (generator, state, pickled, set_state) in before.items():
-        if pickle.dumps(_state_of(generator)) != pickled:
+    for name, (generator, state, pickled, get_state, set_state) in before.items():
+        if pickle.dumps(get_state(generator)) != pickled:
             drawn.append(
                 f"{name}, a random generator the step drew from (draw with torch.rand or "
                 "torch.randn instead: the step carries torch's default generator)"
             )
             set_state(generator, state)
     return drawn
-
-
-def _state_of(generator: Any) -> Any:
-    return next(get(generator) for cls, get, _ in _generator_kinds() if isinstance(generator, cls))
 
 
 def _settle_globals(before: dict, after: dict) -> tuple[list[str], list[str]]:
@@ -195,11 +196,6 @@ def _settle_globals(before: dict, after: dict) -> tuple[list[str], list[str]]:
         elif type(value) is list:
             value[:] = contents
     return refused, kept
-
-
-_NOT_USER_FILES = frozenset(
-    {"builtins", "torch", "lightning", "pytorch_lightning", "mncore_lightning"}
-)
 
 
 def _current(holder: Any, key: Any) -> Any:

@@ -2,15 +2,16 @@
 
 `batch_idx`, `self.global_step` and `self.current_epoch` (and the trainer's `global_step` and
 `current_epoch`, and each LR scheduler's `last_epoch`) are Python ints that change every batch
-or epoch, but a compiled step is traced once. While tracing, each is a `LiveCounter`: arithmetic with it, on either side of a
-Python number or a tensor, gives a tensor computed from a graph input that is fed the current
-value at every call (so a warm-up factor `step / 1000` or `1.0 + 0.1 * epoch` follows the
-step), indexing a tensor with it reads the live row, `torch.tensor(counter)` and
-`torch.as_tensor(counter)` give the live value (as they do for the learning rate read from a
-param group), and `self.log` of it logs the current value.
-A scheduler's `get_last_lr()` gives its optimizer's live learning rates (optimizers/_base.py:
-LiveHyperparameter), which it equals between steps. Whatever needs the Python int itself (`if batch_idx == 0:`, `int(step)`, `range(epoch)`,
-`math.sqrt(step)`) cannot follow the value and raises StaticGraphError at the user's line.
+or epoch, but a compiled step is traced once. While tracing, each is a `LiveCounter`:
+arithmetic with it, on either side of a Python number or a tensor, gives a tensor computed
+from a graph input that is fed the current value at every call (so a warm-up factor
+`step / 1000` or `1.0 + 0.1 * epoch` follows the step), indexing a tensor with it reads the
+live row, `torch.tensor(counter)` and `torch.as_tensor(counter)` give the live value (as they
+do for the learning rate read from a param group), and `self.log` of it logs the current
+value. A scheduler's `get_last_lr()` gives its optimizer's live learning rates
+(optimizers/_base.py: LiveHyperparameter), which it equals between steps. Whatever needs the
+Python int itself (`if batch_idx == 0:`, `int(step)`, `range(epoch)`, `math.sqrt(step)`)
+cannot follow the value and raises StaticGraphError at the user's line.
 
 A LiveCounter is deliberately not an `int` subclass: Python's own float and int arithmetic,
 and C code that reads an int's value directly, would take an int subclass as the plain number
@@ -33,7 +34,6 @@ from mncore_device._source import called_from_user_code, user_frame
 from .optimizers._base import ARITHMETIC, LiveHyperparameter, operator_methods
 
 COUNTER_PREFIX = "counter/"
-COUNTERS = ("batch_idx", "global_step", "current_epoch")
 # the counters that advance with every step of a multi-step graph (steps_per_call)
 STEP_COUNTERS = ("batch_idx", "global_step")
 
@@ -151,10 +151,10 @@ for _op in (
     setattr(LiveCounter, _op, _arithmetic(_op))
 
 
-def _has_counter(data: Any) -> bool:
+def _holds_live_value(data: Any) -> bool:
     """Whether `data` holds a counter or a live hyperparameter (the learning rate)."""
     if isinstance(data, (list, tuple)):
-        return any(_has_counter(item) for item in data)
+        return any(_holds_live_value(item) for item in data)
     return isinstance(data, LiveCounter) or (
         isinstance(data, LiveHyperparameter) and data.tensor is not None
     )
@@ -167,7 +167,7 @@ def _live_data(data: Any) -> torch.Tensor:
         return data.live()
     if isinstance(data, LiveHyperparameter):
         return data.tensor.to(torch.get_default_dtype())
-    items = [_live_data(item) if _has_counter(item) else torch.tensor(item) for item in data]
+    items = [_live_data(item) if _holds_live_value(item) else torch.tensor(item) for item in data]
     dtype = items[0].dtype
     for item in items[1:]:
         dtype = torch.promote_types(dtype, item.dtype)
@@ -179,7 +179,7 @@ def _counter_aware(factory: Callable[..., torch.Tensor], copy: bool) -> Callable
     counter or a live learning rate (or a list holding one), the live tensor instead."""
 
     def wrapper(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if not _has_counter(data):
+        if not _holds_live_value(data):
             return factory(data, *args, **kwargs)
         tensor = _live_data(data)
         dtype = kwargs.get("dtype", args[0] if args else None)
