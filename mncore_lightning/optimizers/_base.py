@@ -149,7 +149,8 @@ def _live_comparison(name: str) -> Callable[..., Any]:
     def method(self: LiveHyperparameter, other: Any) -> Any:
         if isinstance(other, Tensor):  # the tensor's comparison, which follows the live value
             return NotImplemented
-        if self.reader is not None and called_from_user_code():
+        live = self.reader is not None or self.tensor is not None  # read, or computed from one
+        if live and called_from_user_code():
             raise StaticGraphError(
                 f"Python code compares a hyperparameter read from a param group ({float(self)} "
                 f"when the step was traced) at {user_frame()}. A compiled step is traced once, "

@@ -273,10 +273,19 @@ class BranchesOnTheLearningRate(LitClassifier):
         return loss
 
 
-def test_a_python_comparison_of_the_learning_rate_raises_at_the_line():
+class BranchesOnAScaledLearningRate(LitClassifier):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.optimizers().param_groups[0]["lr"] * 10 < 0.7:  # computed from it, then compared
+            loss = loss * 2
+        return loss
+
+
+@pytest.mark.parametrize("model_cls", [BranchesOnTheLearningRate, BranchesOnAScaledLearningRate])
+def test_a_python_comparison_of_the_learning_rate_raises_at_the_line(model_cls):
     _raises_at_the_line(
-        BranchesOnTheLearningRate,
-        "< 0.07",
+        model_cls,
+        "if self.optimizers()",
         "compares a hyperparameter",
         model_kwargs={"scheduler": "step"},
     )
