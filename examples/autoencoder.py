@@ -16,6 +16,7 @@ Outputs in ``--outdir``: ``checkpoints/``, ``tensorboard/``, ``autoencoder.onnx`
 from __future__ import annotations
 
 import argparse
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from example_utils import (
     add_run_arguments,
     add_trainer_arguments,
     build_trainer,
+    print_summary,
     tensorboard_logger,
 )
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -145,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Train, reload, embed and export; returns losses, export errors and output paths."""
+    start = time.perf_counter()
     args = build_parser().parse_args(argv)
     L.seed_everything(args.seed, verbose=False)
     outdir: Path = args.outdir
@@ -180,6 +183,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     loss_curve = plot_tensorboard_losses(
         logger.log_dir, outdir / "loss_curve.png", title="LitAutoEncoder"
+    )
+    exports = ", ".join(f"{name} {'matches' if ok else 'DIFFERS'}" for name, ok in matches.items())
+    print_summary(
+        "autoencoder.py",
+        time.perf_counter() - start,
+        log_dir=logger.log_dir,
+        extra=f"test loss {float(test_metrics['test_loss']):.4f}; exports: {exports}",
     )
     return {
         "dataset": datamodule.dataset_name,

@@ -6,18 +6,56 @@ Kept apart so that each example file reads as the model plus its ``main`` and no
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import shlex
+import shutil
+import sys
+import time
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback, TQDMProgressBar
+from lightning.pytorch.callbacks import Callback, ProgressBar, TQDMProgressBar
 from lightning.pytorch.loggers import TensorBoardLogger
 
 PRESETS = ("O0", "O1", "O2", "O3", "O4", "debug")
+PROGRESS_STYLES = ("auto", "bar", "lines", "none")
 
 TUTORIAL_PRINT_EVERY = 100
+
+
+class _DropLightningTips(logging.Filter):
+    """Drops Lightning's advertising tips (``💡 Tip: ... litlogger``), keeps its other notices."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Tip:" not in record.getMessage()
+
+
+def quiet_console() -> None:
+    """Silence the notices a newcomer cannot act on, and nothing else.
+
+    - Lightning's tips (installing litlogger): a log record of Lightning's rank-zero logger,
+      dropped by a filter on that logger; its other notices (GPU/TPU, the MN-Core banner) stay.
+    - Lightning 2.6's use of torch's deprecated ``LeafSpec`` (a FutureWarning raised inside
+      Lightning at every fit and test with torch 2.14; Lightning's code to change, not ours).
+    - torch's "No CUDA runtime is found, using CUDA_HOME" note, logged when TorchInductor loads
+      its C++ builder on a machine without a GPU, where it means nothing.
+    Warnings of this project (mncore_lightning, mncore_device, the examples) are never silenced.
+    """
+    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, _DropLightningTips) for f in rank_zero.filters):
+        rank_zero.addFilter(_DropLightningTips())
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        category=FutureWarning,
+    )
+    if not torch.cuda.is_available():
+        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 
 
 def add_mncore_arguments(
@@ -60,7 +98,28 @@ def add_run_arguments(
 def add_trainer_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of the Lightning examples: MN-Core compile settings and the progress bar."""
     add_mncore_arguments(parser)
-    parser.add_argument("--no-progress-bar", action="store_true", help="e.g. for log files")
+    parser.add_argument(
+        "--progress",
+        choices=PROGRESS_STYLES,
+        default="auto",
+        help="bar: TQDM's bar; lines: one line per epoch (for log files); none; "
+        "auto (default): bar on a terminal, lines otherwise",
+    )
+    parser.add_argument(
+        "--no-progress-bar",
+        dest="progress",
+        action="store_const",
+        const="none",
+        help="the same as --progress none",
+    )
+
+
+def progress_style(requested: str) -> str:
+    """``auto`` resolved: TQDM's bar redraws one terminal row with ``\\r``, which a log file
+    or a pipe shows as one endless line, so there it becomes one printed line per epoch."""
+    if requested != "auto":
+        return requested
+    return "bar" if sys.stdout.isatty() else "lines"
 
 
 def device_trainer_kwargs(
@@ -123,23 +182,72 @@ def build_trainer(
     Steps are logged every 10 batches, or more often in epochs of fewer than 100 batches, so
     that even a quick run leaves a loss curve; each logged step costs a host read on MN-Core.
     """
+    quiet_console()
     train_batches = len(datamodule.train_dataloader())
     if args.limit_train_batches is not None:
         train_batches = min(train_batches, args.limit_train_batches)
+    style = progress_style(args.progress)
+    # TQDM's bar, explicitly: Lightning picks Rich's when `rich` is installed (transformers
+    # brings it), and the examples' console output should not depend on that.
+    bars = {"bar": [TQDMProgressBar()], "lines": [LineProgressBar()], "none": []}[style]
     return L.Trainer(
         **device_trainer_kwargs(accelerator, args.device, args.preset, args.outdir / "codegen"),
         max_epochs=args.epochs,
         limit_train_batches=args.limit_train_batches,
         logger=logger,
-        # TQDM's bar, explicitly: Lightning picks Rich's when `rich` is installed (transformers
-        # brings it), and the examples' console output should not depend on that.
-        callbacks=[TutorialPrinter(), checkpoint]
-        + ([] if args.no_progress_bar else [TQDMProgressBar()]),
+        callbacks=[TutorialPrinter(), checkpoint, *bars],
         log_every_n_steps=max(1, min(10, train_batches // 10)),
-        enable_progress_bar=not args.no_progress_bar,
+        enable_progress_bar=bool(bars),
         enable_model_summary=False,
         default_root_dir=args.outdir,
     )
+
+
+class LineProgressBar(ProgressBar):
+    """Lightning's progress bar as plain lines: one per training epoch, with the epoch's time
+    and the metrics logged with ``prog_bar=True``. For log files and pipes, where a redrawn
+    bar would run into one line; ``print`` (the tutorial's lines) writes whole lines too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._enabled = True
+        self._epoch_start = 0.0
+
+    def disable(self) -> None:
+        self._enabled = False
+
+    def enable(self) -> None:
+        self._enabled = True
+
+    @property
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        if self._enabled:
+            print(*args, **kwargs, flush=True)
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._epoch_start = time.perf_counter()
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.is_global_zero:
+            return
+        seconds = time.perf_counter() - self._epoch_start
+        metrics = {
+            name: value
+            for name, value in self.get_metrics(trainer, pl_module).items()
+            if name != "v_num"
+        }
+        shown = ", ".join(
+            f"{name} {value:.4f}" if isinstance(value, float) else f"{name} {value}"
+            for name, value in metrics.items()
+        )
+        batches = trainer.num_training_batches
+        self.print(
+            f"Epoch {trainer.current_epoch}: {batches} batches in {seconds:.1f} s"
+            + (f", {shown}" if shown else "")
+        )
 
 
 class TutorialPrinter(Callback):
@@ -205,8 +313,11 @@ def log_classification_metrics(
     module.log(f"{stage}_loss", loss, prog_bar=True, batch_size=batch_size)
     module.log(f"{stage}_acc", correct / batch_size, prog_bar=True, batch_size=batch_size)
     if stage == "test":
+        # Tensors, both: a Python number logged in a compiled step would be the value the step
+        # was traced with (the plugin warns about that); this count is the batch's, every call.
+        total = torch.full_like(correct, batch_size)
         module.log("test_correct", correct, reduce_fx="sum", batch_size=batch_size)
-        module.log("test_total", float(batch_size), reduce_fx="sum", batch_size=batch_size)
+        module.log("test_total", total, reduce_fx="sum", batch_size=batch_size)
 
 
 def print_accuracy(correct: int, total: int) -> dict[str, Any]:
@@ -231,3 +342,41 @@ def save_tutorial_checkpoint(
         {"model_state_dict": model.state_dict(), "optim_state_dict": optimizer.state_dict()}, path
     )
     return path
+
+
+def tensorboard_command(log_dir: str | Path) -> str:
+    """The command that opens ``log_dir`` in TensorBoard: this interpreter's ``tensorboard``
+    (``.venv/bin/tensorboard`` after scripts/setup.sh), plain ``tensorboard`` where that one is
+    first on the PATH; paths relative to the current directory where they are below it."""
+    program = Path(sys.executable).with_name("tensorboard")
+    if not program.is_file() or shutil.which("tensorboard") == str(program):
+        command = "tensorboard"
+    else:
+        command = _relative(program)
+    return f"{shlex.quote(command)} --logdir {shlex.quote(_relative(Path(log_dir)))}"
+
+
+def _relative(path: Path) -> str:
+    absolute = Path(os.path.abspath(path))  # symlinks kept: .venv/bin/tensorboard stays so
+    return str(absolute.relative_to(Path.cwd()) if absolute.is_relative_to(Path.cwd()) else path)
+
+
+def print_summary(
+    name: str,
+    seconds: float,
+    accuracy: float | None = None,
+    log_dir: str | Path | None = None,
+    extra: str = "",
+) -> str:
+    """The line every example ends with: what ran, how well, how long, where to look next."""
+    parts = [f"{name} done in {seconds:.1f} s"]
+    if accuracy is not None:
+        parts.append(f"test accuracy {accuracy:.4f}")
+    if extra:
+        parts.append(extra)
+    if log_dir is not None:
+        parent = Path(log_dir).parent  # every version_N of the run, side by side
+        parts.append(f"TensorBoard logs in {log_dir}: {tensorboard_command(parent)}")
+    line = "; ".join(parts)
+    print(line, flush=True)
+    return line

