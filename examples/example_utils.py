@@ -225,7 +225,7 @@ class LineProgressBar(ProgressBar):
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         if self._enabled:
-            print(*args, **kwargs, flush=True)
+            print(*args, **{"flush": True, **kwargs})
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._epoch_start = time.perf_counter()
