@@ -70,6 +70,13 @@ class CompiledSteps:
     `_train_plan`/`_after_train_call` (a training step split around a host all-reduce).
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # The arguments it was made with: a strategy of the other Lightning package
+        # (lightning.pytorch vs pytorch_lightning) is rebuilt from them (lightning_patch.py).
+        strategy = super().__new__(cls)
+        strategy._init_args = (args, kwargs)
+        return strategy
+
     def _init_steps(
         self,
         device: str | None,
@@ -84,6 +91,8 @@ class CompiledSteps:
             raise TypeError(f"steps_per_call must be an int, got {steps_per_call!r}")
         if steps_per_call < 1:
             raise ValueError(f"steps_per_call must be at least 1, got {steps_per_call}")
+        # a precision plugin passed to the constructor; else the Trainer's flag decides
+        self._precision_given = self._precision_plugin is not None
         self._device_request = device
         self._backend_request = backend
         self.mncore_device = MNDevice(resolve_device(device))
