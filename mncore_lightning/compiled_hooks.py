@@ -31,7 +31,7 @@ from torch.utils._pytree import (
     tree_unflatten,
 )
 
-from mncore_device import CompiledFunction, Context, StaticGraphError
+from mncore_device import CompiledFunction, Context, NonFiniteError, StaticGraphError
 from mncore_device._source import user_frame
 
 from .carried_state import CarriedState
@@ -320,8 +320,10 @@ class CompiledHook:
         used_counters: frozenset[str],
         counter_names: tuple[str, ...],
         python_values: PythonValues,
+        detects_anomaly: bool = False,
     ) -> None:
         self.compiled = compiled
+        self.detects_anomaly = detects_anomaly  # compiled for Trainer(detect_anomaly=True)
         self.python_values = python_values  # the Python values the graph was traced for
         self.effects = effects
         self.used_counters = used_counters  # the counters the graph computes with
@@ -342,7 +344,15 @@ class CompiledHook:
         inputs = {**inputs, **counter_inputs(counters, self.used_counters)}
         if self.carried.slots:
             inputs.update(self.carried.inputs())
-        outputs = self.to_host(self.compiled(inputs))
+        try:
+            outputs = self.to_host(self.compiled(inputs))
+        except NonFiniteError as error:
+            if not self.detects_anomaly:
+                raise
+            raise NonFiniteError(
+                f"Trainer(detect_anomaly=True) stopped the compiled step: {error}. Nothing "
+                "of this step was applied: the weights are those before it."
+            ) from error
         self.carried.replay(outputs)
         self.recorder.replay(module, outputs, counters)
         self.effects.replay(outputs)
@@ -527,8 +537,12 @@ def compile_hook(
             f"MNCoreStrategy(steps_per_call={steps}) cannot run a step that keeps tensors on its "
             f"modules between steps ({', '.join(carried.slots)}); use steps_per_call=1."
         )
-    if torch.is_anomaly_enabled():
-        _warn_anomaly_once()
+    options = dict(options)
+    # Trainer(detect_anomaly=True) checks the values backward makes: a training graph is run
+    # by the executor that checks every op (forward-only graphs, as on cpu, are not checked)
+    anomaly = torch.is_anomaly_enabled() and (optimizer is not None or manual)
+    if anomaly:
+        options["option_json"] = ANOMALY_PRESET
     try:
         # Anomaly mode records Python tracebacks per op and checks values on the host, which a
         # static graph cannot do; the debug preset checks every op for NaN/inf instead.
@@ -541,7 +555,7 @@ def compile_hook(
                 step,
                 {**inputs, **counter_inputs(counters), **carried.inputs()},
                 codegen_dir,
-                options=dict(options),
+                options=options,
                 cache_options=cache_options,
             )
     finally:
@@ -567,6 +581,7 @@ def compile_hook(
         frozenset(used),
         tuple(counters),
         values,
+        anomaly,
     )
     return compiled_hook, inputs
 
@@ -673,19 +688,9 @@ def recording_host_calls(module: Any, recorder: LogRecorder) -> Iterator[None]:
 
 
 _ABSENT = object()
-_anomaly_warned = [False]
-
-
-def _warn_anomaly_once() -> None:
-    if not _anomaly_warned[0]:
-        _anomaly_warned[0] = True
-        warnings.warn(
-            "Trainer(detect_anomaly=True): MNCoreStrategy traces its compiled steps without "
-            "anomaly detection, which needs the host to inspect every op. Use "
-            "MNCoreStrategy(preset='debug'): it checks every op for NaN and names the op and "
-            "your line.",
-            stacklevel=3,
-        )
+# The preset whose executor checks every op for NaN (and inf reaching the step's results) and
+# stops the step at the first op that made one: what Trainer(detect_anomaly=True) runs.
+ANOMALY_PRESET = "debug"
 
 
 def _static_batch_size(batch: Any) -> int | None:
