@@ -352,7 +352,7 @@ class CompiledSteps:
                 self._train_hook, inputs = self._compile_training(batch, rest, key, plan)
                 self._train_key = key
             hook = self._train_hook
-        result = hook(module, inputs, counters)
+        result = hook(module, inputs, counters, layout)
         self._after_call(hook)
         self._device_is_newer = True
         self._gradients = hook.gradients
@@ -498,7 +498,7 @@ class CompiledSteps:
         carried = self._carried_signature()
         for hook in hooks:
             if (
-                hook.layout == layout
+                hook.layout.difference(layout) is None
                 and hook.extra_args == rest[1:]
                 and hook.carried.signature == carried
                 and hook.counter_names == tuple(counters)
@@ -514,7 +514,7 @@ class CompiledSteps:
             hook, inputs = self._compile(hook_name, batch, rest, optimizer=None, counters=counters)
             hooks.append(hook)
         self.compiled_calls += 1
-        result = hook(self.lightning_module, inputs, counters)
+        result = hook(self.lightning_module, inputs, counters, layout)
         self._after_call(hook)
         return result
 
