@@ -240,3 +240,18 @@ def test_last_batch_takes_drop_or_compile_only():
 
     with pytest.raises(ValueError, match=r"last_batch must be one of 'drop', 'compile'"):
         MNCoreStrategy(last_batch="pad")
+
+
+def test_last_batch_compile_trains_an_iterable_datasets_short_last_batch_as_cpu():
+    from mncore_lightning import MNCoreStrategy
+
+    results = {}
+    for accelerator in ("cpu", "mncore"):
+        L.seed_everything(0, verbose=False)
+        model = LitClassifier()
+        kwargs = {"strategy": MNCoreStrategy(last_batch="compile")} if accelerator != "cpu" else {}
+        trainer = make_trainer(accelerator, max_epochs=2, **kwargs)
+        trainer.fit(model, DataLoader(_Stream(), batch_size=16))  # 4 batches of 16, one of 6
+        results[accelerator] = (model, trainer.global_step)
+    assert results["mncore"][1] == results["cpu"][1] == 10
+    _assert_identical(results["cpu"][0], results["mncore"][0])
