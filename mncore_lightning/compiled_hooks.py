@@ -381,9 +381,12 @@ class CompiledHook:
         except NonFiniteError as error:
             if not self.detects_anomaly:
                 raise
+            where = ", ".join(
+                f"{k}={counters[k]}" for k in ("batch_idx", "global_step") if k in counters
+            )
             raise NonFiniteError(
-                f"Trainer(detect_anomaly=True) stopped the compiled step: {error}. Nothing "
-                "of this step was applied: the weights are those before it."
+                f"Trainer(detect_anomaly=True) stopped the compiled training step ({where}): "
+                f"{error}. Nothing of this step was applied: the weights are those before it."
             ) from error
         self.carried.replay(outputs)
         self.recorder.replay(module, outputs, counters)
