@@ -603,11 +603,12 @@ def _compile_hook(
     if anomaly:
         options["option_json"] = ANOMALY_PRESET
     try:
-        # Anomaly mode records Python tracebacks per op and checks values on the host, which a
-        # static graph cannot do; the debug preset checks every op for NaN/inf instead.
+        # Anomaly mode checks values on the host, which a static graph cannot do; the debug
+        # preset's executor checks every op for NaN instead. Tracing keeps its record of each
+        # forward op's line, by which the graph names the forward line of a backward op.
         with (
             torch.inference_mode(False),
-            torch.autograd.set_detect_anomaly(False),
+            torch.autograd.set_detect_anomaly(anomaly, check_nan=False),
             values.reading(),
         ):
             compiled = context.compile(

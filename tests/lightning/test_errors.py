@@ -223,6 +223,8 @@ def test_detect_anomaly_stops_at_the_step_whose_backward_makes_nan_as_cpu(preset
     trainer, mn, error = fit("mncore", strategy=MNCoreStrategy(preset=preset))
     assert "detect_anomaly=True" in error and "aten.mul" in error and "NaN" in error
     assert "(batch_idx=2, global_step=2)" in error
+    # the backward op is named by the forward line it differentiates
+    assert "in training_step (its backward): penalty = (logits.pow(2)" in error
     assert trainer.global_step == cpu_trainer.global_step == 2
     assert all(torch.isfinite(p).all() for p in mn.parameters())
     assert_state_close(cpu, mn, atol=ATOL)
