@@ -6,7 +6,7 @@ Lightning gives an accelerator it does not know a CPU SingleDeviceStrategy
 method is wrapped. The connector's check of the flags is wrapped too, for what it would refuse
 or silently ignore in an MN-Core strategy instance: one built for the other Lightning package
 (`mncore_lightning.MNCoreStrategy()` given to `pytorch_lightning.Trainer`, as tutorials write
-it) is rebuilt from its arguments for this one, and a `precision=` flag next to an instance
+it) is rebuilt from its arguments for this one (an MNCoreAccelerator instance too), and a `precision=` flag next to an instance
 whose precision plugin the Trainer chose before (the instance reused) applies, where Lightning
 would keep the instance's plugin. Everything else goes through public hooks: the registries,
 the strategy's `accelerator` setter and `setup`, the accelerator's `setup`.
@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.fabric.connector import _convert_precision_to_unified_args
-from lightning.pytorch.accelerators import AcceleratorRegistry
+from lightning.pytorch.accelerators import Accelerator, AcceleratorRegistry
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -54,6 +54,11 @@ def install() -> None:
         self: _AcceleratorConnector, strategy: Any, *args: Any, **kwargs: Any
     ) -> Any:
         strategy = for_this_lightning(strategy)
+        accelerator = kwargs.get("accelerator")
+        if type(accelerator).__name__ == "MNCoreAccelerator" and not isinstance(
+            accelerator, Accelerator
+        ):  # the other Lightning package's: it holds no state until setup
+            kwargs["accelerator"] = MNCoreAccelerator()
         precision = kwargs.get("precision", args[1] if len(args) > 1 else None)
         if precision is not None and isinstance(strategy, (MNCoreStrategy, MNCoreDDPStrategy)):
             _reconcile_precision(strategy, _convert_precision_to_unified_args(precision))

@@ -90,7 +90,8 @@ def test_pl_trainer_takes_the_lightning_pytorch_strategy_class_as_tutorials_writ
     is rebuilt, with its arguments, as mncore_lightning.pl's; same results as pl's cpu."""
     cpu_trainer, cpu = _fit("cpu")
     given = mncore_lightning.MNCoreStrategy(preset="O0", max_retraces=3)
-    trainer, mn = _fit("mncore", strategy=given)
+    trainer, mn = _fit(mncore_lightning.MNCoreAccelerator(), strategy=given)
+    assert isinstance(trainer.accelerator, mncore_lightning.pl.MNCoreAccelerator)
     assert isinstance(trainer.strategy, mncore_lightning.pl.MNCoreStrategy)
     assert trainer.strategy.preset == given.preset and trainer.strategy.max_retraces == 3
     assert trainer.strategy.compiled_calls > 0
