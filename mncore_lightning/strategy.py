@@ -344,12 +344,14 @@ class CompiledSteps:
             key = (*key, tuple((k, tuple(v.shape)) for k, v in inputs.items()))
             hook = self._train_hooks.get(key)
             if hook is None:
-                hook, inputs = self._compile_training(batch, rest, key, plan, "train_last")
+                hook, inputs = self._compile_training(
+                    batch, rest, key, plan, counters, "train_last"
+                )
         else:
             if hook is not None:
                 self._check_training_batch(layout, inputs, counters)
             if self._train_hook is None:
-                self._train_hook, inputs = self._compile_training(batch, rest, key, plan)
+                self._train_hook, inputs = self._compile_training(batch, rest, key, plan, counters)
                 self._train_key = key
             hook = self._train_hook
         result = hook(module, inputs, counters, layout)
@@ -362,7 +364,13 @@ class CompiledSteps:
         return result
 
     def _compile_training(
-        self, batch: Any, rest: tuple, key: tuple, plan: tuple, label: str | None = None
+        self,
+        batch: Any,
+        rest: tuple,
+        key: tuple,
+        plan: tuple,
+        counters: dict[str, int],
+        label: str | None = None,
     ) -> tuple[CompiledHook, dict[str, torch.Tensor]]:
         """Trace and compile the training step for `key` (see training_step) and keep it;
         `plan`: whether it accumulates gradients and runs the update (_train_plan)."""
@@ -389,7 +397,7 @@ class CompiledSteps:
             update=graph_update,
             reduce_gradients=self._gradient_reduction(),
             steps=steps,
-            counters=self._counters(rest),
+            counters=counters,
         )
         self._train_hooks[key] = hook
         return hook, inputs
