@@ -31,9 +31,10 @@ from torch.utils._pytree import (
     tree_unflatten,
 )
 
-from mncore_device import CompiledFunction, Context, StaticGraphError
+from mncore_device import CompiledFunction, Context, NonFiniteError, StaticGraphError
 from mncore_device._source import user_frame
 
+from .batch_values import BatchValues, passable
 from .carried_state import CarriedState
 from .optimizers import LiveHyperparameter, live_hyperparameters
 from .python_values import PythonValues, refuse_writes
@@ -233,11 +234,13 @@ def recording_logs(module: Any, recorder: LogRecorder) -> Iterator[None]:
 
 @dataclass(frozen=True)
 class BatchLayout:
-    """A batch's pytree structure; tensor leaves are graph inputs, others are fixed."""
+    """A batch's pytree structure; tensor leaves are graph inputs, others are fixed, except
+    those a compiled step passes through (`free`: batch_values.py), whose values may change."""
 
     spec: TreeSpec
     tensor_positions: tuple[int, ...]
     fixed: tuple[tuple[int, Any], ...]
+    free: frozenset[int] = frozenset()
 
     @classmethod
     def of(cls, batch: Any) -> tuple[BatchLayout, dict[str, torch.Tensor]]:
@@ -249,9 +252,20 @@ class BatchLayout:
         inputs = {f"{BATCH_PREFIX}{i}": leaves[i] for i in positions}
         return cls(spec, positions, fixed), inputs
 
+    def passing_through(self) -> BatchLayout:
+        """This layout with its string and number leaves free (tried as pass-through)."""
+        free = frozenset(i for i, value in self.fixed if passable(value))
+        return BatchLayout(self.spec, self.tensor_positions, self.fixed, free)
+
+    def batch_values(self) -> BatchValues:
+        """The free leaves' values in this batch, for a step that passes them through."""
+        names = _leaf_names(self.spec) if self.free else []
+        values = {i: value for i, value in self.fixed if i in self.free}
+        return BatchValues(values, {i: names[i] for i in values})
+
     def difference(self, other: BatchLayout) -> str | None:
         """How `other` differs from this layout, naming the element ("batch[2]") and both
-        values; None when they are the same."""
+        values; None when they are the same (free leaves may hold any value)."""
         if self.spec != other.spec:
             return f"its structure changed from {self.spec} to {other.spec}"
         if self.tensor_positions != other.tensor_positions:
@@ -259,15 +273,20 @@ class BatchLayout:
             name = _leaf_names(self.spec)[moved[0]]  # named only when reported: once
             return f"batch{name} is a tensor in one batch and not in the other"
         for (i, mine), (_, theirs) in zip(self.fixed, other.fixed, strict=True):
-            if mine is not theirs and mine != theirs:
+            if i not in self.free and mine is not theirs and mine != theirs:
                 return f"batch{_leaf_names(self.spec)[i]} changed from {mine!r} to {theirs!r}"
         return None
 
-    def rebuild(self, inputs: Mapping[str, torch.Tensor]) -> Any:
+    def rebuild(
+        self, inputs: Mapping[str, torch.Tensor], stand_ins: Mapping[int, Any] | None = None
+    ) -> Any:
+        """The batch, from the graph's inputs; free leaves are `stand_ins` where given."""
         leaves: list[Any] = [None] * (len(self.tensor_positions) + len(self.fixed))
         for i in self.tensor_positions:
             leaves[i] = inputs[f"{BATCH_PREFIX}{i}"]
         for i, value in self.fixed:
+            leaves[i] = value
+        for i, value in (stand_ins or {}).items():
             leaves[i] = value
         return tree_unflatten(leaves, self.spec)
 
@@ -320,8 +339,13 @@ class CompiledHook:
         used_counters: frozenset[str],
         counter_names: tuple[str, ...],
         python_values: PythonValues,
+        detects_anomaly: bool = False,
+        batch_values: BatchValues | None = None,
     ) -> None:
         self.compiled = compiled
+        # the batch elements it passes through: their values are set at every call
+        self.batch_values = batch_values or BatchValues({}, {})
+        self.detects_anomaly = detects_anomaly  # compiled for Trainer(detect_anomaly=True)
         self.python_values = python_values  # the Python values the graph was traced for
         self.effects = effects
         self.used_counters = used_counters  # the counters the graph computes with
@@ -337,12 +361,33 @@ class CompiledHook:
         self.gradients: list[tuple[torch.Tensor, torch.Tensor, int]] = []
 
     def __call__(
-        self, module: Any, inputs: dict[str, torch.Tensor], counters: dict[str, int]
+        self,
+        module: Any,
+        inputs: dict[str, torch.Tensor],
+        counters: dict[str, int],
+        layout: BatchLayout | None = None,
     ) -> Any:
+        """Run the graph on `inputs` and replay its host side; `layout`: the batch's, whose
+        passed-through elements (its non-tensor leaves the step only hands on) this call's
+        returned values, appends and metric calls get."""
+        if layout is not None and self.batch_values.values:
+            free = self.layout.free
+            self.batch_values.values = {i: v for i, v in layout.fixed if i in free}
         inputs = {**inputs, **counter_inputs(counters, self.used_counters)}
         if self.carried.slots:
             inputs.update(self.carried.inputs())
-        outputs = self.to_host(self.compiled(inputs))
+        try:
+            outputs = self.to_host(self.compiled(inputs))
+        except NonFiniteError as error:
+            if not self.detects_anomaly:
+                raise
+            where = ", ".join(
+                f"{k}={counters[k]}" for k in ("batch_idx", "global_step") if k in counters
+            )
+            raise NonFiniteError(
+                f"Trainer(detect_anomaly=True) stopped the compiled training step ({where}): "
+                f"{error}. Nothing of this step was applied: the weights are those before it."
+            ) from error
         self.carried.replay(outputs)
         self.recorder.replay(module, outputs, counters)
         self.effects.replay(outputs)
@@ -352,11 +397,33 @@ class CompiledHook:
 
 
 def compile_hook(
+    context: Context, module: Any, hook_name: str, batch: Any, extra_args: tuple, **kwargs: Any
+) -> tuple[CompiledHook, dict[str, torch.Tensor]]:
+    """Trace `module.<hook_name>(batch, *extra_args)` into a compiled function (see
+    `_compile_hook` for the keywords), passing the batch's string and number elements
+    through when the step does not read them (batch_values.py), else as constants."""
+    layout, _ = BatchLayout.of(batch)
+    passing = layout.passing_through()
+    if passing.free:
+        try:
+            hook, inputs = _compile_hook(
+                context, module, hook_name, batch, extra_args, passing, **kwargs
+            )
+        except Exception:  # noqa: BLE001 - a use of a stand-in; any other error comes again
+            pass
+        else:
+            if hook.batch_values.read is None:  # not read, not even in a caught error
+                return hook, inputs
+    return _compile_hook(context, module, hook_name, batch, extra_args, layout, **kwargs)
+
+
+def _compile_hook(
     context: Context,
     module: Any,
     hook_name: str,
     batch: Any,
     extra_args: tuple,
+    layout: BatchLayout,
     *,
     optimizer: torch.optim.Optimizer | None,
     gradient_clipping: tuple[float | None, str | None] = (None, None),
@@ -389,7 +456,9 @@ def compile_hook(
     counters and logged values (MNCoreStrategy(steps_per_call=...)). Returns the hook and
     the inputs of this batch.
     """
-    layout, inputs = BatchLayout.of(batch)
+    _, inputs = BatchLayout.of(batch)
+    batch_values = layout.batch_values()
+    stand_ins = batch_values.stand_ins()
     recorder = LogRecorder(_static_batch_size(batch if steps is None else batch[0]))
     returned = _Returned()
     gradient_params: dict[str, torch.Tensor] = {}
@@ -405,7 +474,7 @@ def compile_hook(
             return user_hook(*args)
 
     def step(graph_inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        batch = layout.rebuild(graph_inputs)
+        batch = layout.rebuild(graph_inputs, stand_ins)
         carried.bind(graph_inputs)
         if steps is None:
             return one_step(batch, graph_inputs, 0)
@@ -527,21 +596,26 @@ def compile_hook(
             f"MNCoreStrategy(steps_per_call={steps}) cannot run a step that keeps tensors on its "
             f"modules between steps ({', '.join(carried.slots)}); use steps_per_call=1."
         )
-    if torch.is_anomaly_enabled():
-        _warn_anomaly_once()
+    options = dict(options)
+    # Trainer(detect_anomaly=True) checks the values backward makes: a training graph is run
+    # by the executor that checks every op (forward-only graphs, as on cpu, are not checked)
+    anomaly = torch.is_anomaly_enabled() and (optimizer is not None or manual)
+    if anomaly:
+        options["option_json"] = ANOMALY_PRESET
     try:
-        # Anomaly mode records Python tracebacks per op and checks values on the host, which a
-        # static graph cannot do; the debug preset checks every op for NaN/inf instead.
+        # Anomaly mode checks values on the host, which a static graph cannot do; the debug
+        # preset's executor checks every op for NaN instead. Tracing keeps its record of each
+        # forward op's line, by which the graph names the forward line of a backward op.
         with (
             torch.inference_mode(False),
-            torch.autograd.set_detect_anomaly(False),
+            torch.autograd.set_detect_anomaly(anomaly, check_nan=False),
             values.reading(),
         ):
             compiled = context.compile(
                 step,
                 {**inputs, **counter_inputs(counters), **carried.inputs()},
                 codegen_dir,
-                options=dict(options),
+                options=options,
                 cache_options=cache_options,
             )
     finally:
@@ -567,6 +641,8 @@ def compile_hook(
         frozenset(used),
         tuple(counters),
         values,
+        anomaly,
+        batch_values,
     )
     return compiled_hook, inputs
 
@@ -673,19 +749,9 @@ def recording_host_calls(module: Any, recorder: LogRecorder) -> Iterator[None]:
 
 
 _ABSENT = object()
-_anomaly_warned = [False]
-
-
-def _warn_anomaly_once() -> None:
-    if not _anomaly_warned[0]:
-        _anomaly_warned[0] = True
-        warnings.warn(
-            "Trainer(detect_anomaly=True): MNCoreStrategy traces its compiled steps without "
-            "anomaly detection, which needs the host to inspect every op. Use "
-            "MNCoreStrategy(preset='debug'): it checks every op for NaN and names the op and "
-            "your line.",
-            stacklevel=3,
-        )
+# The preset whose executor checks every op for NaN (and inf reaching the step's results) and
+# stops the step at the first op that made one: what Trainer(detect_anomaly=True) runs.
+ANOMALY_PRESET = "debug"
 
 
 def _static_batch_size(batch: Any) -> int | None:

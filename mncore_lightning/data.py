@@ -1,4 +1,6 @@
-"""Static shapes need full batches: training loaders are rebuilt with drop_last=True."""
+"""Static shapes need full batches: training loaders are rebuilt with drop_last=True, unless
+MNCoreStrategy(last_batch="compile") trains each epoch's short last batch with a graph of its
+own."""
 
 from __future__ import annotations
 
@@ -10,6 +12,12 @@ from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+
+LAST_BATCH_OPTIONS = ("drop", "compile")
+TRAIN_LAST_BATCH = (
+    "To train them as cpu does, pass MNCoreStrategy(last_batch='compile'): the short last "
+    "batch then runs as a second compiled graph."
+)
 
 
 def with_drop_last(dataloader: DataLoader) -> DataLoader:
@@ -42,7 +50,8 @@ def with_drop_last(dataloader: DataLoader) -> DataLoader:
         amount = "some samples" if skipped is None else f"{skipped} samples"
         warnings.warn(
             f"MNCoreStrategy set drop_last=True on the training DataLoader (a compiled step has "
-            f"a static batch size of {batch_sampler.batch_size}): {amount} per epoch are skipped.",
+            f"a static batch size of {batch_sampler.batch_size}): {amount} per epoch are "
+            f"skipped. {TRAIN_LAST_BATCH}",
             UserWarning,
             stacklevel=2,
         )
@@ -63,7 +72,7 @@ def _iterable_with_drop_last(dataloader: DataLoader) -> DataLoader:
     warnings.warn(
         f"MNCoreStrategy set drop_last=True on the training DataLoader over an IterableDataset "
         f"(a compiled step has a static batch size of {dataloader.batch_size}): a short last "
-        "batch of each epoch is skipped.",
+        f"batch of each epoch is skipped. {TRAIN_LAST_BATCH}",
         UserWarning,
         stacklevel=3,
     )

@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from mncore_device import StaticGraphError
 from mncore_device._source import user_frame
 
+from .batch_values import PassedThrough
 from .step_counters import LiveCounter
 
 EFFECT_PREFIX = "effect/"
@@ -117,15 +118,15 @@ _HARMLESS = {
 class Packed:
     """A pytree recorded while tracing (a returned value, an appended item, a metric call's
     arguments): tensor leaves become graph outputs, step counters graph outputs that come back
-    as Python ints (their value at each call), stand-ins are resolved on replay, anything else
-    is kept as a constant."""
+    as Python ints (their value at each call), stand-ins (a metric's result, a batch value
+    passed through) are resolved on replay, anything else is kept as a constant."""
 
     def __init__(self, tree: Any, prefix: str, outputs: dict[str, torch.Tensor]) -> None:
         leaves, self.spec = tree_flatten(tree)
         self.leaves: list[tuple[str, Any]] = []
         for i, leaf in enumerate(leaves):
             key = f"{prefix}{i}"
-            if isinstance(leaf, MetricValue):
+            if type(leaf) is PassedThrough or isinstance(leaf, MetricValue):
                 self.leaves.append(("stand_in", leaf))
             elif isinstance(leaf, torch.Tensor):
                 outputs[key] = leaf.detach()

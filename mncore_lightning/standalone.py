@@ -35,6 +35,7 @@ _MIRRORED = (
 )
 # Free of Lightning: the same modules serve both packages.
 _SHARED = (
+    "batch_values",
     "carried_state",
     "device_selection",
     "guards",

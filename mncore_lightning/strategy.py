@@ -46,7 +46,7 @@ from mncore_device import (
 from .accelerator import MNCoreAccelerator
 from .carried_state import signature as carried_signature
 from .compiled_hooks import BatchLayout, CompiledHook, compile_hook, shape_change
-from .data import StepGroup, StepGroups, with_drop_last
+from .data import LAST_BATCH_OPTIONS, StepGroup, StepGroups, with_drop_last
 from .device_selection import resolve_device, resolve_preset
 from .guards import carried_change, describe_change, structure_of
 from .host_sync import GRADIENT_HOOKS, HostSync, HostVersions, overridden_hooks
@@ -70,6 +70,13 @@ class CompiledSteps:
     `_train_plan`/`_after_train_call` (a training step split around a host all-reduce).
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # The arguments it was made with: a strategy of the other Lightning package
+        # (lightning.pytorch vs pytorch_lightning) is rebuilt from them (lightning_patch.py).
+        strategy = super().__new__(cls)
+        strategy._init_args = (args, kwargs)
+        return strategy
+
     def _init_steps(
         self,
         device: str | None,
@@ -79,11 +86,21 @@ class CompiledSteps:
         backend: str | None,
         max_retraces: int,
         steps_per_call: int = 1,
+        last_batch: str = "drop",
     ) -> None:
+        if last_batch not in LAST_BATCH_OPTIONS:
+            raise ValueError(
+                f"last_batch must be one of {', '.join(map(repr, LAST_BATCH_OPTIONS))}, got "
+                f"{last_batch!r}: 'drop' rebuilds the training DataLoader with drop_last=True, "
+                "'compile' trains each epoch's short last batch with a second compiled graph."
+            )
+        self.last_batch = last_batch
         if isinstance(steps_per_call, bool) or not isinstance(steps_per_call, int):
             raise TypeError(f"steps_per_call must be an int, got {steps_per_call!r}")
         if steps_per_call < 1:
             raise ValueError(f"steps_per_call must be at least 1, got {steps_per_call}")
+        # a precision plugin passed to the constructor; else the Trainer's flag decides
+        self._precision_given = self._precision_plugin is not None
         self._device_request = device
         self._backend_request = backend
         self.mncore_device = MNDevice(resolve_device(device))
@@ -302,7 +319,7 @@ class CompiledSteps:
         manual = not module.automatic_optimization
         window = 1 if manual else module.trainer.accumulate_grad_batches
         update = window == 1 or self._updating
-        accumulating, graph_update = self._train_plan(manual, window, update)
+        plan = accumulating, graph_update = self._train_plan(manual, window, update)
         # One graph per carried-tensor signature, kind of micro-batch (accumulating, or
         # ending a window with the update) and set of counters (the LR schedulers).
         key = (self._carried_signature(), window, graph_update, steps, tuple(counters))
@@ -321,40 +338,83 @@ class CompiledSteps:
                 )
             elif self._train_hook is None and previous[4] != key[4]:
                 self._retrace("training_step", "the LR schedulers changed")
-        if self._train_hook is not None:
-            self._check_training_batch(layout, inputs, counters)
-        if self._train_hook is None:
-            optimizer = self.optimizers[0] if self.optimizers else None
-            if optimizer is None:
-                raise MisconfigurationException(
-                    "MNCoreStrategy needs an optimizer from configure_optimizers to compile "
-                    "the training step"
+        hook = self._train_hook
+        if hook is not None and self._is_short_last_batch(hook, layout, inputs, rest):
+            # last_batch="compile": the epoch's short last batch has a graph of its own
+            key = (*key, tuple((k, tuple(v.shape)) for k, v in inputs.items()))
+            hook = self._train_hooks.get(key)
+            if hook is None:
+                hook, inputs = self._compile_training(
+                    batch, rest, key, plan, counters, "train_last"
                 )
-            trainer = module.trainer
-            self._train_hook, inputs = self._compile(
-                "training_step",
-                batch,
-                rest,
-                optimizer=None if manual else optimizer,
-                manual=manual,
-                gradient_clipping=(trainer.gradient_clip_val, trainer.gradient_clip_algorithm),
-                return_gradients=not manual and bool(self._user_hooks.intersection(GRADIENT_HOOKS)),
-                accumulate=(window, self._gradient_buffers()) if accumulating else None,
-                update=graph_update,
-                reduce_gradients=self._gradient_reduction(),
-                steps=steps,
-                counters=counters,
-            )
-            self._train_hooks[key] = self._train_hook
-            self._train_key = key
-        result = self._train_hook(module, inputs, counters)
-        self._after_call(self._train_hook)
+        else:
+            if hook is not None:
+                self._check_training_batch(layout, inputs, counters)
+            if self._train_hook is None:
+                self._train_hook, inputs = self._compile_training(batch, rest, key, plan, counters)
+                self._train_key = key
+            hook = self._train_hook
+        result = hook(module, inputs, counters, layout)
+        self._after_call(hook)
         self._device_is_newer = True
-        self._gradients = self._train_hook.gradients
+        self._gradients = hook.gradients
         self.compiled_calls += 1
         self.last_call_steps = steps or 1
         self._after_train_call(update, counters)
         return result
+
+    def _compile_training(
+        self,
+        batch: Any,
+        rest: tuple,
+        key: tuple,
+        plan: tuple,
+        counters: dict[str, int],
+        label: str | None = None,
+    ) -> tuple[CompiledHook, dict[str, torch.Tensor]]:
+        """Trace and compile the training step for `key` (see training_step) and keep it;
+        `plan`: whether it accumulates gradients and runs the update (_train_plan)."""
+        module = self.lightning_module
+        trainer = module.trainer
+        optimizer = self.optimizers[0] if self.optimizers else None
+        if optimizer is None:
+            raise MisconfigurationException(
+                "MNCoreStrategy needs an optimizer from configure_optimizers to compile "
+                "the training step"
+            )
+        manual = not module.automatic_optimization
+        (accumulating, graph_update), window, steps = plan, key[1], key[3]
+        hook, inputs = self._compile(
+            "training_step",
+            batch,
+            rest,
+            label,
+            optimizer=None if manual else optimizer,
+            manual=manual,
+            gradient_clipping=(trainer.gradient_clip_val, trainer.gradient_clip_algorithm),
+            return_gradients=not manual and bool(self._user_hooks.intersection(GRADIENT_HOOKS)),
+            accumulate=(window, self._gradient_buffers()) if accumulating else None,
+            update=graph_update,
+            reduce_gradients=self._gradient_reduction(),
+            steps=steps,
+            counters=counters,
+        )
+        self._train_hooks[key] = hook
+        return hook, inputs
+
+    def _is_short_last_batch(
+        self, hook: CompiledHook, layout: BatchLayout, inputs: dict, rest: tuple
+    ) -> bool:
+        """last_batch="compile": this is the epoch's last batch, laid out as the compiled
+        step's batches but of other shapes (the remainder of the dataset)."""
+        if self.last_batch != "compile":
+            return False
+        trainer = self.lightning_module.trainer
+        batch_idx = rest[0] if rest and isinstance(rest[0], int) else None
+        last = trainer.num_training_batches
+        if batch_idx is None or (last != float("inf") and batch_idx != last - 1):
+            return False
+        return hook.layout.difference(layout) is None and bool(shape_change(hook.compiled, inputs))
 
     def _train_plan(self, manual: bool, window: int, update: bool) -> tuple[bool, bool]:
         """Whether the training graph accumulates gradients into device buffers, and whether
@@ -446,7 +506,7 @@ class CompiledSteps:
         carried = self._carried_signature()
         for hook in hooks:
             if (
-                hook.layout == layout
+                hook.layout.difference(layout) is None
                 and hook.extra_args == rest[1:]
                 and hook.carried.signature == carried
                 and hook.counter_names == tuple(counters)
@@ -462,7 +522,7 @@ class CompiledSteps:
             hook, inputs = self._compile(hook_name, batch, rest, optimizer=None, counters=counters)
             hooks.append(hook)
         self.compiled_calls += 1
-        result = hook(self.lightning_module, inputs, counters)
+        result = hook(self.lightning_module, inputs, counters, layout)
         self._after_call(hook)
         return result
 
@@ -520,7 +580,7 @@ class CompiledSteps:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or not trainer.training:
             return dataloader
-        if isinstance(dataloader, DataLoader):
+        if isinstance(dataloader, DataLoader) and self.last_batch == "drop":
             dataloader = with_drop_last(dataloader)
         if self.steps_per_call > 1:
             return StepGroups(dataloader, self.steps_per_call)
@@ -668,6 +728,12 @@ class MNCoreStrategy(CompiledSteps, SingleDeviceStrategy):
             with automatic optimization, without gradient accumulation, step-interval LR
             schedulers, gradient hooks, metrics updated in training_step or tensors carried
             between steps; each of those raises a clear error.
+        last_batch: what becomes of a training epoch's short last batch (a dataset size that
+            is not a multiple of the batch size). "drop" (default): the training DataLoader
+            is rebuilt with drop_last=True, as a static batch size needs, and a warning says
+            how many samples each epoch skips. "compile": the loader is kept as it is, and
+            the short last batch runs as a second compiled graph, traced once for its shape:
+            every sample is trained on, with cpu's numbers.
     """
 
     strategy_name = "mncore"
@@ -684,6 +750,7 @@ class MNCoreStrategy(CompiledSteps, SingleDeviceStrategy):
         backend: str | None = None,
         max_retraces: int = 8,
         steps_per_call: int = 1,
+        last_batch: str = "drop",
     ) -> None:
         super().__init__(
             device=torch.device("cpu"),
@@ -693,7 +760,14 @@ class MNCoreStrategy(CompiledSteps, SingleDeviceStrategy):
             precision_plugin=precision_plugin,
         )
         self._init_steps(
-            device, preset, codegen_dir, cache_dir, backend, max_retraces, steps_per_call
+            device,
+            preset,
+            codegen_dir,
+            cache_dir,
+            backend,
+            max_retraces,
+            steps_per_call,
+            last_batch,
         )
 
     def setup_environment(self) -> None:

@@ -90,6 +90,11 @@ def user_frame_from_stack_trace(stack_trace: str | None) -> str | None:
     """The user frame of an FX node's recorded `stack_trace` text."""
     if not stack_trace:
         return None
+    return user_frame(frames_of(stack_trace))
+
+
+def frames_of(stack_trace: str) -> list[traceback.FrameSummary]:
+    """The frames of a formatted stack (`traceback.format_stack()` text)."""
     frames = []
     lines = stack_trace.splitlines()
     for i, line in enumerate(lines):
@@ -100,4 +105,16 @@ def user_frame_from_stack_trace(stack_trace: str | None) -> str | None:
             code = lines[i + 1].strip() if i + 1 < len(lines) else ""
             if lineno.isdigit():
                 frames.append(traceback.FrameSummary(filename, int(lineno), name, line=code))
-    return user_frame(frames)
+    return frames
+
+
+def backward_frame_summary() -> traceback.FrameSummary | None:
+    """Inside a backward pass, the user frame of the forward op whose gradient is being
+    computed, where anomaly mode recorded it (`torch.autograd.set_detect_anomaly(True)`
+    during the forward); else None. The live stack of a backward op is the backward call's,
+    so without this an op of the backward would be named by the line that called backward."""
+    node = torch._C._current_autograd_node()
+    if node is None:
+        return None
+    stack = node.metadata.get("traceback_")
+    return user_frame_summary(frames_of("".join(stack))) if stack else None

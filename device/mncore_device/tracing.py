@@ -49,7 +49,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ._source import called_from_user_code, user_frame, user_frame_summary
+from ._source import (
+    backward_frame_summary,
+    called_from_user_code,
+    user_frame,
+    user_frame_summary,
+)
 from .errors import StaticGraphError
 from .naming import get_tensor_name
 from .specs import TensorSpec
@@ -327,13 +332,18 @@ class _TraceGuard(TorchDispatchMode):
 
     @staticmethod
     def _record_source(result, tracer) -> None:
-        """Remember the user's line on the graph node, for errors raised when it runs."""
-        frame = user_frame_summary()
+        """Remember the user's line on the graph node, for errors raised when it runs (for
+        an op of the backward, the forward line it differentiates, when anomaly mode recorded
+        the forward's lines)."""
+        frame, name = backward_frame_summary(), None
+        if frame is not None:
+            name = f"{frame.name} (its backward)"
+        else:
+            frame = user_frame_summary()
         if frame is None:
             return
-        text = (
-            f'  File "{frame.filename}", line {frame.lineno}, in {frame.name}\n    {frame.line}\n'
-        )
+        name = name or frame.name
+        text = f'  File "{frame.filename}", line {frame.lineno}, in {name}\n    {frame.line}\n'
         for value in tree_leaves(result):
             if isinstance(value, torch.Tensor):
                 proxy = get_proxy_slot(value, tracer, None)

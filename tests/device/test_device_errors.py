@@ -236,6 +236,38 @@ def test_debug_preset_names_the_line_of_nan_in_the_step_function(context, traina
     assert f"{HERE}:{line_of(step, 'torch.log(')}" in str(info.value)
 
 
+def _nan_in_backward_step(model, optimizer):
+    def step(batch):
+        optimizer.zero_grad()
+        logits = model(batch["x"])
+        penalty = (logits.pow(2).sum(-1) * 0.0).sqrt().mean()  # sqrt'(0) * 0: NaN gradients
+        loss = logits.mean() + penalty
+        loss.backward()
+        optimizer.step()
+        return {"loss": loss}
+
+    return step
+
+
+@pytest.mark.parametrize("anomaly", [False, True])
+def test_debug_preset_names_the_forward_line_of_a_backward_op_under_anomaly_mode(
+    context, trainable, anomaly
+):
+    """The live stack of a backward op is the backward call's; anomaly mode during tracing
+    records each forward op's line, by which the op of its backward is named."""
+    model, optimizer, batches = trainable
+    step = _nan_in_backward_step(model, optimizer)
+    with torch.autograd.set_detect_anomaly(anomaly, check_nan=False):
+        compiled = context.compile(step, batches[0], options={"option_json": "debug"})
+    with pytest.raises(NonFiniteError) as info:
+        compiled(batches[0])
+    message = str(info.value)
+    assert "aten.mul" in message and "NaN" in message
+    forward = f"{HERE}:{line_of(step, '.sqrt()')} in step (its backward)"
+    backward_call = f"{HERE}:{line_of(step, 'loss.backward()')} in step:"
+    assert (forward if anomaly else backward_call) in message
+
+
 def test_o0_does_not_check_for_nan(context, trainable):
     model, optimizer, batches = trainable
     compiled = compile_o0(context, _log_step(model, optimizer), batches[0])

@@ -79,12 +79,33 @@ class TaggedClassifier(LitClassifier):
         return super().validation_step((x, y), batch_idx)
 
 
-def test_a_non_tensor_element_changing_inside_an_epoch_names_it_and_both_values():
+class ReadsTheTag(TaggedClassifier):
+    """Its loss depends on the tag's value: the step is traced for it (a constant)."""
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) * len(batch[2])
+
+    def validation_step(self, batch, batch_idx):
+        x, y, tag = batch
+        return LitClassifier.validation_step(self, (x * len(tag), y), batch_idx)
+
+
+def test_a_non_tensor_element_the_step_reads_changing_inside_an_epoch_names_it():
     train = DataLoader(Tagged(["first", "second"]), batch_size=16, collate_fn=_collate)
     with pytest.raises(
         MisconfigurationException, match=r"batch\[2\] changed from 'first' to 'second'"
     ):
-        fit_once("mncore", model_cls=TaggedClassifier, train=train)
+        fit_once("mncore", model_cls=ReadsTheTag, train=train)
+
+
+def test_a_non_tensor_element_the_step_ignores_may_change_and_trains_as_cpu():
+    def train():
+        return DataLoader(Tagged(["first", "second"]), batch_size=16, collate_fn=_collate)
+
+    _, cpu, _ = fit_once("cpu", model_cls=TaggedClassifier, train=train())
+    trainer, mn, _ = fit_once("mncore", model_cls=TaggedClassifier, train=train())
+    assert_state_close(cpu, mn)
+    assert trainer.strategy.retraces == 0
 
 
 def test_eval_batches_with_changing_strings_are_reported_and_bounded():
@@ -95,4 +116,4 @@ def test_eval_batches_with_changing_strings_are_reported_and_bounded():
     with pytest.raises(
         MisconfigurationException, match=r"batch\[2\] changed from 'a' to .*max_retraces"
     ):
-        trainer.fit(TaggedClassifier(), train, val)
+        trainer.fit(ReadsTheTag(), train, val)

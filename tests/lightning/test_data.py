@@ -54,7 +54,13 @@ class StepCounter(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         epoch = trainer.current_epoch
         self.per_epoch[epoch] = self.per_epoch.get(epoch, 0) + 1
-        self.sizes.add(batch[0].shape[0])
+        first = batch[0]
+        while isinstance(first, (list, tuple)):  # steps_per_call: a group of batches
+            first = first[0]
+        self.sizes.add(first.shape[0])
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.graphs = len(getattr(trainer.strategy, "_train_hooks", ()))
 
 
 def _skip_warnings(record) -> list[str]:
@@ -161,3 +167,91 @@ def test_iterable_dataset_drops_its_short_last_batch_as_a_map_style_one():
         results[accelerator] = (model, trainer.global_step)
     assert results["mncore"][1] == results["cpu"][1] == 8
     assert_state_close(results["cpu"][0], results["mncore"][0])
+
+
+# --- MNCoreStrategy(last_batch="compile"): the short last batch trains, as on cpu -------------
+
+
+def _ragged_fit(accelerator, strategy=None, **kwargs):
+    """119 samples in batches of 20: five full batches and one of 19, every epoch."""
+    from tests.lightning.lightning_testing import LossCollector
+
+    L.seed_everything(0, verbose=False)
+    model = LitClassifier(optimizer="adam", lr=0.01)
+    collector, counter = LossCollector(), StepCounter()
+    if strategy is not None:
+        kwargs["strategy"] = strategy
+    trainer = make_trainer(accelerator, max_epochs=2, callbacks=[collector, counter], **kwargs)
+    train = DataLoader(make_dataset(119), batch_size=20, shuffle=True)
+    trainer.fit(model, train)
+    return trainer, model, collector, counter
+
+
+def _assert_identical(a, b) -> None:
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        assert torch.equal(x, y), name
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{}, {"accumulate_grad_batches": 4}], ids=["plain", "accumulate4"]
+)
+def test_last_batch_compile_trains_the_short_last_batch_bit_identical_to_cpu(kwargs, recwarn):
+    from mncore_lightning import MNCoreStrategy
+
+    cpu_trainer, cpu, cpu_losses, cpu_counter = _ragged_fit("cpu", **kwargs)
+    strategy = MNCoreStrategy(last_batch="compile")
+    trainer, mn, losses, counter = _ragged_fit("mncore", strategy, **kwargs)
+    assert _skip_warnings(recwarn.list) == []
+    assert counter.per_epoch == cpu_counter.per_epoch == {0: 6, 1: 6}
+    assert counter.sizes == {20, 19}
+    assert trainer.global_step == cpu_trainer.global_step
+    assert torch.equal(torch.stack(losses.losses), torch.stack(cpu_losses.losses))
+    assert torch.equal(
+        losses.epoch_metrics[-1]["train_loss"], cpu_losses.epoch_metrics[-1]["train_loss"]
+    )
+    _assert_identical(cpu, mn)
+    # the full-batch graph and the short one (per kind of micro-batch), traced once each
+    assert counter.graphs == (2 if not kwargs else 3)
+    assert strategy.retraces == 0
+
+
+def test_last_batch_compile_with_steps_per_call_groups_the_short_batch_too():
+    from mncore_lightning import MNCoreStrategy
+
+    _, cpu, cpu_losses, _ = _ragged_fit("cpu")
+    strategy = MNCoreStrategy(last_batch="compile", steps_per_call=4)
+    trainer, mn, _, counter = _ragged_fit("mncore", strategy)
+    assert trainer.global_step == 12
+    torch.testing.assert_close(
+        trainer.callback_metrics["train_loss"], cpu_losses.epoch_metrics[-1]["train_loss"]
+    )
+    _assert_identical(cpu, mn)
+
+
+def test_the_drop_warning_says_how_many_samples_and_names_the_option():
+    with pytest.warns(UserWarning, match=r"19 samples per epoch are skipped") as record:
+        _, _, _, counter = _ragged_fit("mncore")
+    assert "last_batch='compile'" in _skip_warnings(record)[0]
+    assert counter.sizes == {20}
+
+
+def test_last_batch_takes_drop_or_compile_only():
+    from mncore_lightning import MNCoreStrategy
+
+    with pytest.raises(ValueError, match=r"last_batch must be one of 'drop', 'compile'"):
+        MNCoreStrategy(last_batch="pad")
+
+
+def test_last_batch_compile_trains_an_iterable_datasets_short_last_batch_as_cpu():
+    from mncore_lightning import MNCoreStrategy
+
+    results = {}
+    for accelerator in ("cpu", "mncore"):
+        L.seed_everything(0, verbose=False)
+        model = LitClassifier()
+        kwargs = {"strategy": MNCoreStrategy(last_batch="compile")} if accelerator != "cpu" else {}
+        trainer = make_trainer(accelerator, max_epochs=2, **kwargs)
+        trainer.fit(model, DataLoader(_Stream(), batch_size=16))  # 4 batches of 16, one of 6
+        results[accelerator] = (model, trainer.global_step)
+    assert results["mncore"][1] == results["cpu"][1] == 10
+    _assert_identical(results["cpu"][0], results["mncore"][0])

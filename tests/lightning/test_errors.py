@@ -174,13 +174,75 @@ def test_batch_changing_structure_raises():
         make_trainer("mncore", max_epochs=1).fit(Structure(), Wrap(data))
 
 
-def test_detect_anomaly_traces_without_it_and_warns_once_pointing_at_the_debug_preset():
-    from tests.lightning.lightning_testing import ATOL, assert_state_close, fit_once
+def test_detect_anomaly_without_nan_trains_as_cpu():
+    from tests.lightning.lightning_testing import ATOL, assert_state_close
 
-    with pytest.warns(UserWarning, match=r"detect_anomaly.*preset='debug'"):
-        _, mn, _ = fit_once("mncore", detect_anomaly=True)
+    _, mn, _ = fit_once("mncore", detect_anomaly=True)
     _, cpu, _ = fit_once("cpu", detect_anomaly=True)
     assert_state_close(cpu, mn, atol=ATOL)
+
+
+class NaNInBackward(LitClassifier):
+    """The third batch's mask is zero: sqrt's backward at 0 is inf, and the mask's product
+    turns it into NaN gradients (the forward stays finite)."""
+
+    def training_step(self, batch, batch_idx):
+        x, y, mask = batch
+        logits = self(x)
+        penalty = (logits.pow(2).sum(-1) * mask).sqrt().mean()
+        return F.cross_entropy(logits, y) + 0.01 * penalty
+
+
+def _nan_at_third_batch() -> DataLoader:
+    x, y = loader(n=64).dataset.tensors
+    mask = torch.ones(64)
+    mask[32:48] = 0.0
+    return DataLoader(TensorDataset(x, y, mask), batch_size=16)
+
+
+@pytest.mark.parametrize("preset", ["O0", "O1"])
+def test_detect_anomaly_stops_at_the_step_whose_backward_makes_nan_as_cpu(preset):
+    """cpu raises PyTorch's anomaly error in the backward of the third step; mncore stops at
+    that step too, naming the op, with the weights of the two steps before (none NaN)."""
+    import lightning as L
+
+    from tests.lightning.lightning_testing import ATOL, assert_state_close
+
+    def fit(accelerator, **kwargs):
+        L.seed_everything(0, verbose=False)
+        model = NaNInBackward()
+        trainer = make_trainer(accelerator, max_epochs=1, detect_anomaly=True, **kwargs)
+        with pytest.raises(RuntimeError) as error:
+            trainer.fit(model, _nan_at_third_batch())
+        return trainer, model, str(error.value)
+
+    cpu_trainer, cpu, cpu_error = fit("cpu")
+    assert "returned nan values" in cpu_error
+    from mncore_lightning import MNCoreStrategy
+
+    trainer, mn, error = fit("mncore", strategy=MNCoreStrategy(preset=preset))
+    assert "detect_anomaly=True" in error and "aten.mul" in error and "NaN" in error
+    assert "(batch_idx=2, global_step=2)" in error
+    # the backward op is named by the forward line it differentiates
+    assert "in training_step (its backward): penalty = (logits.pow(2)" in error
+    assert trainer.global_step == cpu_trainer.global_step == 2
+    assert all(torch.isfinite(p).all() for p in mn.parameters())
+    assert_state_close(cpu, mn, atol=ATOL)
+
+
+def test_detect_anomaly_leaves_evaluation_unchecked_as_cpu():
+    """Anomaly mode checks what backward computes: a NaN logged in validation is logged."""
+
+    class NaNInValidation(LitClassifier):
+        def validation_step(self, batch, batch_idx):
+            self.log("val_nan", torch.log(-(batch[0].abs() + 1)).mean())
+
+    metrics = {}
+    for accelerator in ("cpu", "mncore"):
+        trainer = make_trainer(accelerator, max_epochs=1, detect_anomaly=True)
+        trainer.fit(NaNInValidation(), loader(), loader(n=32))
+        metrics[accelerator] = trainer.callback_metrics["val_nan"]
+    assert metrics["cpu"].isnan() and metrics["mncore"].isnan()
 
 
 def test_a_torch_compiled_module_trains_as_the_module_itself():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from mncore_lightning import MNCorePrecision, MNCoreStrategy
 from tests.lightning.lightning_testing import fit_once, make_trainer
@@ -75,6 +76,30 @@ def test_bf16_mixed_with_an_explicit_strategy_is_wrapped():
     trainer = make_trainer(strategy=MNCoreStrategy(), precision="bf16-mixed")
     assert isinstance(trainer.precision_plugin, MNCorePrecision)
     assert trainer.precision_plugin.precision == "bf16-mixed"
+
+
+def test_the_precision_flag_applies_to_a_strategy_instance_holding_its_default_plugin():
+    """A strategy instance already holding its default 32-true plugin (read before the Trainer
+    was built): Lightning would keep that plugin and ignore precision="bf16-mixed", training
+    in fp32; the flag applies, with cpu's bf16-mixed numbers."""
+    strategy = MNCoreStrategy()
+    assert strategy.precision_plugin.precision == "32-true"
+    _, cpu, cpu_losses = fit_once("cpu", precision="bf16-mixed", max_epochs=1)
+    trainer, mn, mn_losses = fit_once(
+        "mncore", strategy=strategy, precision="bf16-mixed", max_epochs=1
+    )
+    assert trainer.precision == "bf16-mixed"
+    assert trainer.strategy.precision_plugin.precision == "bf16-mixed"
+    assert _state_diff(cpu, mn) == 0.0  # autocast recorded into the step, as cpu's bf16-mixed
+    torch.testing.assert_close(torch.stack(cpu_losses.losses), torch.stack(mn_losses.losses))
+
+
+def test_a_precision_flag_that_contradicts_the_strategys_own_plugin_is_refused():
+    strategy = MNCoreStrategy(precision_plugin=MNCorePrecision())
+    with pytest.raises(MisconfigurationException, match=r"precision='bf16-mixed'.*pass one"):
+        make_trainer(strategy=strategy, precision="bf16-mixed")
+    trainer = make_trainer(strategy=MNCoreStrategy(precision_plugin=MNCorePrecision()))
+    assert trainer.precision == "32-true"  # no flag, or one that agrees: accepted
 
 
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])

@@ -43,11 +43,12 @@ class TutorialStyle(pl.LightningModule):
         return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)]
 
 
-def _fit(accelerator: str):
+def _fit(accelerator: str, **kwargs):
     pl.seed_everything(0, verbose=False)
     model = TutorialStyle()
     trainer = pl.Trainer(
         accelerator=accelerator,
+        **kwargs,
         max_epochs=2,
         logger=False,
         enable_checkpointing=False,
@@ -82,3 +83,25 @@ def test_pl_trainer_several_devices_pick_pls_ddp_strategy():
     trainer = pl.Trainer(accelerator="mncore", devices=2, logger=False)
     assert isinstance(trainer.strategy, mncore_lightning.pl.MNCoreDDPStrategy)
     assert isinstance(trainer.strategy, pl.strategies.DDPStrategy)  # pl's own class tree
+
+
+def test_pl_trainer_takes_the_lightning_pytorch_strategy_class_as_tutorials_write_it():
+    """`pl.Trainer(strategy=mncore_lightning.MNCoreStrategy(...))`: the lightning.pytorch class
+    is rebuilt, with its arguments, as mncore_lightning.pl's; same results as pl's cpu."""
+    cpu_trainer, cpu = _fit("cpu")
+    given = mncore_lightning.MNCoreStrategy(preset="O0", max_retraces=3)
+    trainer, mn = _fit(mncore_lightning.MNCoreAccelerator(), strategy=given)
+    assert isinstance(trainer.accelerator, mncore_lightning.pl.MNCoreAccelerator)
+    assert isinstance(trainer.strategy, mncore_lightning.pl.MNCoreStrategy)
+    assert trainer.strategy.preset == given.preset and trainer.strategy.max_retraces == 3
+    assert trainer.strategy.compiled_calls > 0
+    for (name, a), b in zip(cpu.state_dict().items(), mn.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=0, msg=name)
+
+
+def test_a_strategy_of_the_other_package_with_its_plugins_names_the_class_to_use():
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    given = mncore_lightning.MNCoreStrategy(checkpoint_io=TorchCheckpointIO())
+    with pytest.raises(ValueError, match=r"use mncore_lightning\.pl\.MNCoreStrategy\(\.\.\.\)"):
+        pl.Trainer(accelerator="mncore", strategy=given, logger=False)
