@@ -320,6 +320,17 @@ def _inductor_cache_dir(cache_dir: Path | None):
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
 
 
+# Ops that allocate without writing: their memory may hold anything, NaN included (the
+# dropout mask's empty_like before bernoulli fills it). What is computed from them is checked.
+_UNINITIALIZED = {
+    aten.empty.memory_format,
+    aten.empty_like.default,
+    aten.empty_strided.default,
+    aten.new_empty.default,
+    aten.new_empty_strided.default,
+}
+
+
 class _FiniteCheckingInterpreter(fx.Interpreter):
     """The debug preset: run op by op; NaN anywhere stops the step at the op that made it.
 
@@ -335,7 +346,7 @@ class _FiniteCheckingInterpreter(fx.Interpreter):
 
     def run_node(self, node: fx.Node):
         result = super().run_node(node)
-        if node.op == "call_function":
+        if node.op == "call_function" and node.target not in _UNINITIALIZED:
             for value in result if isinstance(result, (tuple, list)) else (result,):
                 if not (isinstance(value, torch.Tensor) and value.is_floating_point()):
                     continue
