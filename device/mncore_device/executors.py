@@ -92,7 +92,6 @@ class _FirstCallChecked:
         self._gm = gm
         self._preset = preset
         self._mutated = mutated
-        self.fell_back = False
 
     def __call__(self, args: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
         run = self._run
@@ -113,7 +112,6 @@ class _FirstCallChecked:
                 torch.cuda.set_rng_state_all(cuda_rng)
             _note_fallback(self._preset, "run", error)
             self._run = None
-            self.fell_back = True
             _LazyGraphModule.force_recompile(self._gm)
             return self._gm(*args)
         n = len(outputs) - len(self._mutated)
