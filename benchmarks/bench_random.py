@@ -5,7 +5,8 @@ dropout 0.1 in attention and MLP, a classification head), batch 32 of 3x32x32, A
 with momentum: a training step where every layer draws dropout masks. Compiled at O1 with
 `random="eager"` (the default: torch's generator, eager's numbers; Inductor's
 fallback_random) and `random="inductor"` (Inductor's in-kernel generator, other numbers),
-it prints the median step time of each over `--steps` steps after warm-up, and the ratio.
+it prints the median step time of each over `--steps` interleaved steps after warm-up, and
+the ratio.
 
     python benchmarks/bench_random.py [--steps 30] [--preset O1]
 """
@@ -39,7 +40,8 @@ class TinyViT(nn.Module):
         return self.head(self.encoder(x).mean(1))
 
 
-def measure(random: str, preset: str, steps: int) -> float:
+def compiled_step(random: str, preset: str):
+    """The training step compiled with the given random stream, and its batch."""
     torch.manual_seed(0)
     model = TinyViT()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -64,12 +66,20 @@ def measure(random: str, preset: str, steps: int) -> float:
     compiled = context.compile(step, batch, options={"option_json": preset, "random": random})
     for _ in range(3):
         compiled(batch)
-    times = []
+    return compiled, batch
+
+
+def measure(preset: str, steps: int) -> dict[str, float]:
+    """Median step time of each stream, the steps of the two interleaved (a busy machine's
+    load then weighs on both alike)."""
+    runs = {random: compiled_step(random, preset) for random in ("eager", "inductor")}
+    times: dict[str, list[float]] = {random: [] for random in runs}
     for _ in range(steps):
-        start = time.perf_counter()
-        compiled(batch)["loss"].item()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for random, (compiled, batch) in runs.items():
+            start = time.perf_counter()
+            compiled(batch)["loss"].item()
+            times[random].append(time.perf_counter() - start)
+    return {random: statistics.median(t) for random, t in times.items()}
 
 
 def main() -> None:
@@ -77,8 +87,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--preset", default="O1")
     args = parser.parse_args()
-    eager = measure("eager", args.preset, args.steps)
-    inductor = measure("inductor", args.preset, args.steps)
+    medians = measure(args.preset, args.steps)
+    eager, inductor = medians["eager"], medians["inductor"]
     print(f"preset {args.preset}, torch threads {torch.get_num_threads()}")
     print(f"random='eager'    median step {eager * 1e3:.2f} ms")
     print(f"random='inductor' median step {inductor * 1e3:.2f} ms")
