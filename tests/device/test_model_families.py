@@ -162,3 +162,25 @@ def test_the_inductor_presets_train_every_family_as_eager(context, family, prese
     torch.manual_seed(0)
     model = FAMILIES[family][0]()
     _train_as_eager(context, model, loss_fn, _batches(family), preset)
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_an_lstm_step_called_without_grad_mode_trains_as_eager(context, mode):
+    """The CPU LSTM kernel keeps the workspace its backward reads only in grad mode: a step
+    called inside no_grad or inference_mode still trains (the kernel runs in grad mode)."""
+    torch.manual_seed(0)
+    model = FAMILIES["lstm"][0]()
+    reference = twin(model)
+    optimizer = make_sgd(model.parameters(), 0.1, 0.9)
+    register(context, model, optimizer)
+    batches = _batches("lstm")
+    compiled = context.compile(
+        training_step(model, optimizer, loss_fn), batches[0], options={"option_json": "O0"}
+    )
+    with mode():
+        losses = [compiled(batch)["loss"].item() for batch in batches]
+    context.synchronize()
+    reference_step = training_step(reference, make_sgd(reference.parameters(), 0.1, 0.9), loss_fn)
+    expected = [reference_step(batch)["loss"].item() for batch in batches]
+    torch.testing.assert_close(losses, expected, rtol=0, atol=ATOL)
+    assert_state_close(model, reference, atol=ATOL)
