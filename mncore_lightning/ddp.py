@@ -14,8 +14,12 @@ DistributedDataParallel; gradients are averaged in one of two ways:
   forward+backward leaves the gradients in device buffers, the host all-reduces them over
   torch.distributed, and a compiled update applies them.
 
-Buffers (BatchNorm's running statistics) stay per rank, as DDP with `broadcast_buffers=False`;
-a checkpoint holds rank 0's. SyncBatchNorm (`Trainer(sync_batchnorm=True)`) normalizes with the
+Buffers (BatchNorm's running statistics) follow DistributedDataParallel's default,
+`broadcast_buffers=True`, as Lightning's `strategy="ddp"` uses it: before a forward that DDP
+would sync (every training step that ends with a gradient all-reduce, then the next forward,
+training or the first validation batch of a fit), rank 0's buffers are copied to every rank's
+device; each rank then updates them with its own batch. `broadcast_buffers=False` keeps them
+per rank, as DDP with that flag. A checkpoint holds rank 0's. SyncBatchNorm (`Trainer(sync_batchnorm=True)`) normalizes with the
 statistics of the global batch inside the one compiled step (sync_batchnorm.py), so its running
 statistics agree across ranks; the split step refuses it.
 """
@@ -34,6 +38,7 @@ import torch.distributed._functional_collectives as funcol
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.distributed.constants import default_pg_timeout
 
@@ -57,6 +62,9 @@ class MNCoreDDPStrategy(CompiledSteps, DDPStrategy):
         process_group_backend: torch.distributed backend; default: "nccl" for "pfvm:cuda",
             else "gloo".
         codegen_dir: as MNCoreStrategy's, one subfolder per rank ("rank0", "rank1", ...).
+        broadcast_buffers: as DistributedDataParallel's (default True, as Lightning's "ddp"):
+            rank 0's buffers (BatchNorm's running statistics) are copied to every rank before
+            each forward that DDP would sync them in; False keeps them per rank.
         preset, cache_dir, backend, max_retraces: as MNCoreStrategy's.
         parallel_devices, cluster_environment, checkpoint_io, precision_plugin, timeout,
             start_method: as Lightning's DDPStrategy's (set by the Trainer).
@@ -78,6 +86,7 @@ class MNCoreDDPStrategy(CompiledSteps, DDPStrategy):
         backend: str | None = None,
         max_retraces: int = 8,
         split_step: bool | None = None,
+        broadcast_buffers: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: str = "popen",
@@ -94,6 +103,10 @@ class MNCoreDDPStrategy(CompiledSteps, DDPStrategy):
         )
         self._init_steps(device, preset, codegen_dir, cache_dir, backend, max_retraces)
         self._split_request = split_step
+        self.broadcast_buffers = broadcast_buffers
+        # DistributedDataParallel's require_forward_param_sync: whether the next forward
+        # broadcasts the buffers (set at the wrap, then by each forward, see _ddp_forward)
+        self._buffers_sync_next = True
         self._update_hook: CompiledHook | None = None
         self.allreduce_seconds = 0.0  # host all-reduce time of the split step (benchmarks)
 
@@ -143,6 +156,56 @@ class MNCoreDDPStrategy(CompiledSteps, DDPStrategy):
                         "or BatchNorm with per-rank statistics."
                     )
         _sync_module_states(self.model)
+        self._buffers_sync_next = True
+
+    # --- buffers: DistributedDataParallel(broadcast_buffers=True) ----------------------------
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.lightning_module
+        # Lightning runs an accumulating micro-batch under DDP's no_sync(): no gradient sync
+        grad_sync = (
+            not module.automatic_optimization
+            or module.trainer.accumulate_grad_batches == 1
+            or self._updating
+        )
+        self._ddp_forward(grad_sync)
+        return super().training_step(*args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:  # DDP wraps the module
+            self._ddp_forward(grad_sync=False)  # evaluation runs without grad
+        return super().validation_step(*args, **kwargs)
+
+    def _ddp_forward(self, grad_sync: bool) -> None:
+        """What DistributedDataParallel does before a forward: if the last forward synced
+        gradients (or none ran since the wrap), rank 0's buffers are broadcast; this forward
+        syncs gradients only with grad enabled and outside no_sync()."""
+        sync, self._buffers_sync_next = self._buffers_sync_next, grad_sync
+        if sync and self.broadcast_buffers and self.world_size > 1:
+            self._push_host_edits()  # a hook's edit of a buffer is what rank 0 broadcasts
+            self._broadcast_buffers()
+
+    def _broadcast_buffers(self) -> None:
+        """Rank 0's device buffers onto every rank's device, in one broadcast per dtype (the
+        host tensors are left alone: they refresh from the device as any trained state)."""
+        context = self.context
+        buffers = [b for b in self.lightning_module.buffers() if context.is_registered(b)]
+        if not buffers:
+            return
+        proxies = [context.get_registered_value_proxy(b) for b in buffers]
+        values = [proxy.cpu() for proxy in proxies]
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, value in enumerate(values):
+            by_dtype.setdefault(value.dtype, []).append(i)
+        for indices in by_dtype.values():
+            flat = torch.cat([values[i].reshape(-1) for i in indices])
+            dist.broadcast(flat, src=0)
+            if self.global_rank == 0:
+                continue
+            parts = flat.split([values[i].numel() for i in indices])
+            for i, part in zip(indices, parts, strict=True):
+                proxies[i].load_from(part.view_as(values[i]))
+            self._device_is_newer = True  # the host refreshes before the next user hook
 
     def _register_state(self) -> None:
         super()._register_state()

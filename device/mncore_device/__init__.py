@@ -18,6 +18,7 @@ from .device import BACKENDS, Backend, MNDevice, mlsdk_available, resolve_backen
 from .emulator import EmulatorContext, RegisteredValueProxy
 from .errors import (
     CodegenDirError,
+    InductorFallbackWarning,
     InputSpecError,
     MLSDKNotInstalledError,
     MNCoreError,
@@ -60,6 +61,7 @@ __all__ = [
     "CompiledFunction",
     "Context",
     "EmulatorContext",
+    "InductorFallbackWarning",
     "InputProxy",
     "InputSpecError",
     "MLSDKCompiledFunction",

@@ -9,23 +9,30 @@ import torch
 
 from . import trace_events
 from .executors import Executor
-from .specs import TensorSpec, check_input, check_input_keys
+from .specs import TensorSpec, check_input, check_input_keys, check_real
 from .tracing import StateKind
 
 
 class DeviceSlot:
     """One tensor in device memory. Compiled calls replace `value` with the updated tensor."""
 
-    __slots__ = ("name", "host", "value", "state_kind", "host_version")
+    __slots__ = ("name", "host", "value", "state_kind", "host_version", "source")
 
     def __init__(
-        self, name: str, host: torch.Tensor | None, value: torch.Tensor, state_kind: StateKind
+        self,
+        name: str,
+        host: torch.Tensor | None,
+        value: torch.Tensor,
+        state_kind: StateKind,
+        source: torch.Tensor | None = None,
     ) -> None:
         self.name = name
         self.host = host
         self.value = value
         self.state_kind = state_kind
         self.host_version = host._version if host is not None else None
+        # the host tensor that a compile captured as unregistered state (private or constant)
+        self.source = source
 
     def refresh_from_host(self) -> None:
         """Re-upload a read-only constant whose host tensor was changed in place."""
@@ -55,7 +62,7 @@ class InputProxy:
             self.tensor = tensor  # borrowed: never written into
             self._owned = False
         elif self._owned:
-            self.tensor.copy_(tensor)
+            self.tensor.copy_(tensor.detach())
         else:
             self.tensor = tensor.detach().to(self.tensor.device, copy=True)
             self._owned = True
@@ -99,6 +106,22 @@ class CompiledFunction:
         self.device = device
         self.compile_seconds = compile_seconds
         self.cache_hit = cache_hit
+        self.calls = 0
+
+    def captured_unregistered(self, tensor: torch.Tensor) -> list[DeviceSlot]:
+        """The slots this function captured from host `tensor` as unregistered state."""
+        return [s for s in self._state if s.source is tensor]
+
+    def rebind(self, tensor: torch.Tensor, slot: DeviceSlot) -> None:
+        """Use `slot` (the device copy of `tensor`, registered after this compile) wherever
+        this function captured `tensor` as unregistered state: it then reads and trains the
+        registered copy, which synchronize() writes back."""
+        replace = {id(s) for s in self.captured_unregistered(tensor)}
+        if not replace:
+            return
+        self._state = [slot if id(s) in replace else s for s in self._state]
+        self._mutated = [slot if id(s) in replace else s for s in self._mutated]
+        self._constants = [s for s in self._constants if id(s) not in replace]
 
     @property
     def state_names(self) -> list[str]:
@@ -122,6 +145,7 @@ class CompiledFunction:
 
     def _call(self, inputs: Mapping[str, torch.Tensor | InputProxy]) -> dict[str, torch.Tensor]:
         args = self._arguments(inputs)
+        self.calls += 1
         outputs = self._executor(args)
         n = len(self._output_keys)
         for slot, value in zip(self._mutated, outputs[n:], strict=True):
@@ -145,7 +169,10 @@ class CompiledFunction:
                 raise TypeError(f"input {key!r} must be a tensor, got {type(value).__name__}")
             if value.shape != spec.shape or value.dtype != spec.dtype:
                 check_input(key, spec, value)
+            if value.requires_grad:  # outputs and new state are data, with no autograd
+                value = value.detach()  # history (nor the memory one would hold)
             if value.device != device:
+                check_real(key, value)
                 value = value.to(device, non_blocking=True)
             args.append(value if value.is_contiguous() else value.contiguous())
         return args

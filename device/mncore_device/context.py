@@ -250,7 +250,10 @@ class Context(ABC):
 
         options: {"option_json": preset name or file (debug, O0 ... O4; default O1),
         "float_dtype": "float" or "mixed" (matmuls and convolutions in bfloat16, as autocast),
-        "backprop": True (with `optimizers`: the compiler adds backward and the update)}.
+        "backprop": True (with `optimizers`: the compiler adds backward and the update),
+        "random": "eager" (default: random ops draw eager's numbers for the same seed) or
+        "inductor" (under Inductor, O1 and up: its own in-kernel stream, other numbers than
+        eager's, for a faster step)}.
         The keywords are MLSDK's (see `CompileKeywords`); a backend warns once about any it
         cannot honour.
         """

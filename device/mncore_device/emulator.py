@@ -8,8 +8,10 @@ host tensors.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
+import weakref
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -74,20 +76,47 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
     def __init__(self, device="pfvm:cpu", backend: str | None = None) -> None:
         super().__init__(device, backend)
         self._slots: dict[str, DeviceSlot] = {}
+        self._compiled: weakref.WeakSet[CompiledFunction] = weakref.WeakSet()
 
     # --- registration --------------------------------------------------------------------
 
     @override
     def _add_tensor(self, name: str, tensor: torch.Tensor, role: Role) -> None:
+        self._check_not_trained_unregistered(name, tensor, role)
         value = tensor.detach().to(self.device.torch_device, copy=True)
-        self._slots[name] = DeviceSlot(name, tensor, value, StateKind.REGISTERED)
+        slot = DeviceSlot(name, tensor, value, StateKind.REGISTERED)
+        self._slots[name] = slot
+        for function in list(self._compiled):
+            function.rebind(tensor, slot)
 
     @override
     def _add_optimizer(
         self, optimizer: torch.optim.Optimizer, new: list[tuple[str, torch.Tensor]]
     ) -> None:
         for name, tensor in new:
+            self._check_not_trained_unregistered(name, tensor, Role.OPTIMIZER)
+        for name, tensor in new:
             self._add_tensor(name, tensor, Role.OPTIMIZER)
+
+    def _check_not_trained_unregistered(self, name: str, tensor: torch.Tensor, role: Role) -> None:
+        """A tensor that a compiled function captured unregistered is registered after the
+        compile: the function then uses the registered copy (see CompiledFunction.rebind),
+        unless it has already run and so trained its own copy, which registering from the
+        host value would silently drop."""
+        for function in list(self._compiled):
+            trained = [
+                s
+                for s in function.captured_unregistered(tensor)
+                if s.state_kind is StateKind.PRIVATE
+            ]
+            if trained and function.calls:
+                raise RegistrationError(
+                    f"register_{role}: tensor {name!r} was captured unregistered by the compiled "
+                    f"function {function.name!r}, which has already updated its own device copy "
+                    f"in {function.calls} call(s); registering it now would start the "
+                    "registered copy from the host value and drop those updates. Register "
+                    "every tensor the step updates before compile (or before the first call)."
+                )
 
     @override
     def device_values(self) -> list[torch.Tensor]:
@@ -125,6 +154,8 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
         start = time.perf_counter()
         options = dict(options or {})
         preset = load_preset(options.pop("option_json", None))
+        if "random" in options:
+            preset = dataclasses.replace(preset, random=options.pop("random"))
         autocast_dtype = _float_dtype(options.pop("float_dtype", "float"))
         backprop = options.pop("backprop", False)
         for key in options:
@@ -170,13 +201,16 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
         start = time.perf_counter()
         with trace_events.span("load_codegen_dir", "compile", codegen_dir=str(path)):
             traced, specs = artifacts.load(Path(os.fspath(path)))
-            slots = self._bind(traced)
+            slots = self._bind(traced, captured=False)
             preset = Preset(**specs["preset"])
             name = _function_name(None, path)
             return self._finish(traced, slots, specs, preset, None, start, name=name)
 
-    def _bind(self, traced: TracedStep) -> list[DeviceSlot]:
-        """Device slots for the graph's state inputs: shared for registered tensors."""
+    def _bind(self, traced: TracedStep, captured: bool = True) -> list[DeviceSlot]:
+        """Device slots for the graph's state inputs: shared for registered tensors.
+
+        captured: the unregistered state's tensors are the host tensors the trace captured
+        (a compile), not values saved in a codegen dir: registered later, they rebind."""
         slots = []
         device = self.device.torch_device
         for binding in traced.state:
@@ -195,12 +229,10 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
                     )
             else:
                 value = binding.tensor.detach().to(device, copy=True)
-                host = (
-                    binding.tensor
-                    if binding.kind is StateKind.CONSTANT and value.device.type != "meta"
-                    else None
-                )
-                slot = DeviceSlot(binding.name, host, value, binding.kind)
+                real = value.device.type != "meta"
+                host = binding.tensor if binding.kind is StateKind.CONSTANT and real else None
+                source = binding.tensor if real and captured else None
+                slot = DeviceSlot(binding.name, host, value, binding.kind, source)
             slots.append(slot)
         return slots
 
@@ -238,7 +270,7 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
         if cache_options is not None:
             artifacts.cache_record(cache_options, key)
         mutated = [slots[i] for i in traced.mutated_state]
-        return CompiledFunction(
+        compiled = CompiledFunction(
             executor,
             slots,
             mutated,
@@ -250,6 +282,8 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
             copied_outputs=traced.outputs_aliasing_state,
             name=name,
         )
+        self._compiled.add(compiled)
+        return compiled
 
 
 def _float_dtype(value: object) -> torch.dtype | None:

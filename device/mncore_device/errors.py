@@ -30,3 +30,7 @@ class RegistrationError(ValueError, MNCoreError):
 class CodegenDirError(ValueError, MNCoreError):
     """A codegen directory is incomplete, inconsistent, of another format or not data this
     package wrote; the message names the file. Nothing from it was run: compile again."""
+
+
+class InductorFallbackWarning(UserWarning):
+    """TorchInductor could not compile or run a step's graph: it runs op by op (as O0)."""

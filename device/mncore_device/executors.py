@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -17,8 +18,9 @@ import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from ._source import user_frame_from_stack_trace
-from .errors import NonFiniteError
+from .errors import InductorFallbackWarning, NonFiniteError
 from .inductor_keys import apply_remembered_source_keys
+from .opaque_ops import make_opaque
 from .presets import Preset
 from .tracing import _is_view_of
 
@@ -43,14 +45,81 @@ def build_executor(
     this order. The executor returns them as the graph does; Inductor writes them into the
     inputs' own memory and returns those inputs (see `_updating_state_in_place`)."""
     _retarget_devices(gm, device)
+    make_opaque(gm)
     if preset.executor == "interpreter":
         if preset.check_finite:
             return lambda args: _FiniteCheckingInterpreter(gm).run(*args)
-        _LazyGraphModule.force_recompile(gm)  # its Python code, now rather than on the first call
-        return lambda args: gm(*args)
-    return _compile_with_inductor(
-        gm, preset, example_args, cache_dir, compile_threads, list(mutated_inputs)
+        return _interpreted(gm)
+    try:
+        run = _compile_with_inductor(
+            gm, preset, example_args, cache_dir, compile_threads, list(mutated_inputs)
+        )
+    except Exception as error:  # noqa: BLE001 (any failure of Inductor's: the graph still runs)
+        _note_fallback(preset, "compile", error)
+        return _interpreted(gm)
+    return _FirstCallChecked(run, gm, preset, list(mutated_inputs))
+
+
+def _interpreted(gm: fx.GraphModule) -> Executor:
+    """The graph run op by op (O0)."""
+    _LazyGraphModule.force_recompile(gm)  # its Python code, now rather than on the first call
+    return lambda args: gm(*args)
+
+
+def _note_fallback(preset: Preset, what: str, error: Exception) -> None:
+    first_line = (str(error).strip().splitlines() or [""])[0][:200]
+    warnings.warn(
+        f"preset {preset.name}: TorchInductor could not {what} this graph "
+        f"({type(error).__name__}: {first_line}); it runs op by op, as preset O0 does "
+        "(the same results, without Inductor's fused kernels)",
+        InductorFallbackWarning,
+        stacklevel=2,
     )
+
+
+class _FirstCallChecked:
+    """An Inductor executor whose first call may fail (a kernel that compiled but cannot run
+    this graph): that call runs on copies of the state it updates in place, and with the
+    random generators saved, so that on failure the graph runs op by op from the untouched
+    state and the same random stream, now and from then on. On success the copies' new
+    values are copied into the state's own memory.
+    """
+
+    def __init__(
+        self, run: Executor, gm: fx.GraphModule, preset: Preset, mutated: list[int]
+    ) -> None:
+        self._run: Executor | None = run
+        self._gm = gm
+        self._preset = preset
+        self._mutated = mutated
+
+    def __call__(self, args: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+        run = self._run
+        if run is None:
+            return self._gm(*args)
+        if self._mutated is None:
+            return run(args)
+        trial = list(args)
+        for i in self._mutated:
+            trial[i] = args[i].clone()
+        cpu_rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        try:
+            outputs = run(trial)
+        except Exception as error:  # noqa: BLE001 (the interpreter raises a real error again)
+            torch.set_rng_state(cpu_rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state_all(cuda_rng)
+            _note_fallback(self._preset, "run", error)
+            self._run = None
+            _LazyGraphModule.force_recompile(self._gm)
+            return self._gm(*args)
+        n = len(outputs) - len(self._mutated)
+        for i in self._mutated:  # into the state's own memory, where later calls write
+            args[i].copy_(trial[i])
+        outputs = [*outputs[:n], *(args[i] for i in self._mutated)]
+        self._mutated = None  # it ran: later calls update the state in place
+        return outputs
 
 
 def _retarget_devices(gm: fx.GraphModule, device: torch.device) -> None:
@@ -76,6 +145,7 @@ def _compile_with_inductor(
 
     options = dict(list_mode_options(preset.inductor_mode))
     options.update(preset.inductor_options)
+    options["fallback_random"] = preset.random == "eager"
     if compile_threads is not None:
         options["compile_threads"] = int(compile_threads)
     if example_args and example_args[0].device.type == "cuda":
@@ -248,6 +318,17 @@ def _inductor_cache_dir(cache_dir: Path | None):
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
 
 
+# Ops that allocate without writing: their memory may hold anything, NaN included (the
+# dropout mask's empty_like before bernoulli fills it). What is computed from them is checked.
+_UNINITIALIZED = {
+    aten.empty.memory_format,
+    aten.empty_like.default,
+    aten.empty_strided.default,
+    aten.new_empty.default,
+    aten.new_empty_strided.default,
+}
+
+
 class _FiniteCheckingInterpreter(fx.Interpreter):
     """The debug preset: run op by op; NaN anywhere stops the step at the op that made it.
 
@@ -263,7 +344,7 @@ class _FiniteCheckingInterpreter(fx.Interpreter):
 
     def run_node(self, node: fx.Node):
         result = super().run_node(node)
-        if node.op == "call_function":
+        if node.op == "call_function" and node.target not in _UNINITIALIZED:
             for value in result if isinstance(result, (tuple, list)) else (result,):
                 if not (isinstance(value, torch.Tensor) and value.is_floating_point()):
                     continue

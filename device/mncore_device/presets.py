@@ -14,6 +14,7 @@ from typing import Any
 PRESET_DIR = Path(__file__).with_name("presets")
 PRESET_NAMES = ("debug", "O0", "O1", "O2", "O3", "O4")
 DEFAULT_PRESET = "O1"
+RANDOM_STREAMS = ("eager", "inductor")
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,18 @@ class Preset:
     # Larger graphs keep the Python wrapper, whose kernels compile in parallel (that one
     # library is a single, serial compiler run). None: as inductor_options say.
     cpp_wrapper_max_ops: int | None = None
+    # Which stream random ops (dropout, torch.randn, torch.distributions' rsample) draw from
+    # under Inductor. "eager": torch's own generator, in the step's order, the numbers eager
+    # draws with the same seed (Inductor's fallback_random). "inductor": Inductor's in-kernel
+    # generator, fused into the kernels: other numbers than eager's (same distribution).
+    random: str = "eager"
     description: str = ""
+
+    def __post_init__(self) -> None:
+        if self.random not in RANDOM_STREAMS:
+            raise ValueError(
+                f"preset {self.name}: random={self.random!r}; use one of {', '.join(RANDOM_STREAMS)}"
+            )
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)

@@ -61,8 +61,22 @@ def check_input_keys(inputs: object, specs: Mapping[str, TensorSpec]) -> None:
         )
 
 
+def check_real(key: str, value: torch.Tensor, where: str = "a compiled function's input") -> None:
+    """A meta tensor has a shape but no values: it cannot be copied to the device, so it is
+    refused by name (else torch fails deep inside with "Cannot copy out of meta tensor")."""
+    if value.device.type == "meta":
+        raise InputSpecError(
+            f"input {key!r} is a tensor on the meta device (shape {list(value.shape)}, no "
+            f"values), but {where} must be a real tensor with values, on the host (cpu) or on "
+            "the device: create it with values (e.g. model.to_empty(device='cpu') and load a "
+            "state dict for meta-initialized modules, or pass the real batch)"
+        )
+
+
 def check_input(key: str, spec: TensorSpec, value: torch.Tensor) -> None:
-    """One input of a call has the sample's shape and dtype, else a named InputSpecError."""
+    """One input of a call has the sample's shape and dtype, and values (not the meta
+    device), else a named InputSpecError."""
+    check_real(key, value)
     if tuple(value.shape) != spec.shape or value.dtype != spec.dtype:
         got = TensorSpec.of(value)
         hint = ""

@@ -57,7 +57,7 @@ from ._source import (
 )
 from .errors import StaticGraphError
 from .naming import get_tensor_name
-from .specs import TensorSpec
+from .specs import TensorSpec, check_real
 
 aten = torch.ops.aten
 
@@ -149,6 +149,7 @@ def trace_step(
             raise TypeError(
                 f"compile: input {key!r} must be a torch.Tensor, got {type(sample[key]).__name__}"
             )
+        check_real(key, sample[key], "a sample input of compile")
     reg_names = list(registered)
     reg_tensors = [registered[n] for n in reg_names]
     inputs = [sample[k].detach().clone() for k in input_keys]
@@ -194,7 +195,8 @@ def trace_step(
                 f"tensor {binding.name!r} is updated by the compiled step but was never registered: "
                 "it trains on the device, but synchronize() will not write it back to the host. "
                 "Register it with context.register_param / register_buffer / "
-                "register_optimizer_buffers.",
+                "register_optimizer_buffers (before the compiled step's first call: the step "
+                "then trains the registered copy).",
                 stacklevel=3,
             )
     input_specs = {k: TensorSpec.of(sample[k]) for k in input_keys}

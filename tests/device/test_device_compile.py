@@ -76,6 +76,50 @@ def test_wrong_dtype_raises(compiled_add):
         compiled_add({"x": torch.randn(4, 3, dtype=torch.float64), "y": torch.randn(4, 3)})
 
 
+def test_a_meta_input_names_the_input_and_what_is_expected(compiled_add, xy):
+    meta = torch.empty(4, 3, device="meta")
+    with pytest.raises(InputSpecError, match=r"input 'y' is a tensor on the meta device.*real"):
+        compiled_add({"x": xy["x"], "y": meta})
+    proxy = compiled_add.allocate_input_proxy()["x"]
+    with pytest.raises(InputSpecError, match=r"input 'x' is a tensor on the meta device"):
+        proxy.load_from(meta)
+
+
+def test_a_meta_sample_names_the_input_at_compile(context, xy):
+    with pytest.raises(InputSpecError, match=r"input 'x' is a tensor on the meta device.*sample"):
+        compile_o0(context, add, {"x": torch.empty(4, 3, device="meta"), "y": xy["y"]})
+
+
+@pytest.mark.parametrize("preset", ["O0", "O1"])
+def test_outputs_and_state_carry_no_autograd_history(context, preset):
+    """Inputs that require grad (directly or through an input proxy) give plain data."""
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    register(context, model, optimizer)
+
+    def step(batch):
+        optimizer.zero_grad()
+        y = model(batch["x"])
+        loss = (y * batch["w"]).sum()
+        loss.backward()
+        optimizer.step()
+        return {"y": y, "loss": loss, "scaled": batch["w"] * 2}
+
+    x = torch.randn(4, 3, requires_grad=True)
+    w = torch.randn(4, 2).requires_grad_()
+    compiled = context.compile(step, {"x": x, "w": w}, options={"option_json": preset})
+    proxies = compiled.allocate_input_proxy()
+    proxies["x"].load_from(x)
+    proxies["w"].load_from(w * 1)  # a non-leaf with a graph of its own
+    for inputs in ({"x": x, "w": w}, proxies):
+        outputs = compiled(inputs)
+        for key, value in outputs.items():
+            assert value.grad_fn is None and not value.requires_grad, key
+    for value in context.device_values():
+        assert value.grad_fn is None and not value.requires_grad
+    assert x.grad is None and w.grad is None
+
+
 def test_input_spec_error_is_a_value_error_and_an_mncore_error():
     assert issubclass(InputSpecError, ValueError)
     assert issubclass(InputSpecError, mncore_device.MNCoreError)

@@ -144,6 +144,62 @@ def test_unregistered_parameter_warns_trains_on_device_and_is_never_synced(conte
     assert not torch.equal(reference.linear.bias, bias)
 
 
+def test_a_tensor_registered_after_compile_is_trained_and_synchronized(context):
+    """Registered after the compile that captured it (before the first call): the compiled
+    step trains the registered copy, and synchronize() writes the trained value back."""
+    model = Wrapped(4, 2)
+    reference = twin(model)
+    optimizer = make_sgd(model.parameters(), 0.1, 0.9)
+    set_tensor_name_in_module(model, "model")
+    set_buffer_name_in_optimizer(optimizer, "optimizer")
+    batches = classification_batches(4, 8, 4, 2)
+    with pytest.warns(UserWarning, match="never registered"):
+        compiled = compile_o0(context, training_step(model, optimizer, cross_entropy), batches[0])
+    register(context, model, optimizer)
+
+    losses = device_train(compiled, batches)
+    reference_optimizer = make_sgd(reference.parameters(), 0.1, 0.9)
+    expected = eager_train(reference, reference_optimizer, cross_entropy, batches)
+    torch.testing.assert_close(losses, expected, rtol=0, atol=1e-6)
+    context.synchronize()  # never the untrained registered copy over the host tensor
+    assert_state_close(model, reference)
+    for ours, theirs in zip(
+        _momentum_buffers(optimizer), _momentum_buffers(reference_optimizer), strict=True
+    ):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+
+
+def test_a_captured_constant_registered_after_compile_reads_the_registered_copy(context):
+    """A tensor the step only reads, registered after compile, is read from device memory:
+    a load_from on its registered copy reaches the step, a host edit does not."""
+    scale = torch.tensor(2.0)
+    set_tensor_name(scale, "scale")
+    x = torch.randn(3)
+    compiled = compile_o0(context, lambda b: {"y": b["x"] * scale}, {"x": x})
+    context.register_buffer(scale)
+    context.get_registered_value_proxy(scale).load_from(torch.tensor(5.0))
+    torch.testing.assert_close(compiled({"x": x})["y"], 5 * x)
+    scale.fill_(-3.0)  # the host copy of a registered tensor: not re-uploaded
+    torch.testing.assert_close(compiled({"x": x})["y"], 5 * x)
+
+
+def test_registering_a_tensor_a_compiled_step_already_trained_fails_naming_it(context):
+    """After calls that trained an unregistered copy, registering would drop that training."""
+    model = Wrapped(4, 2)
+    optimizer = make_sgd(model.parameters(), 0.1, 0.0)
+    set_tensor_name_in_module(model, "model")
+    context.register_param(model.linear.weight)
+    batches = classification_batches(2, 8, 4, 2)
+    with pytest.warns(UserWarning, match="never registered"):
+        compiled = compile_o0(context, training_step(model, optimizer, cross_entropy), batches[0])
+    device_train(compiled, batches)
+    bias = model.linear.bias.detach().clone()
+    with pytest.raises(RegistrationError, match=r"'model@linear/bias'.*2 call.*before compile"):
+        context.register_param(model.linear.bias)
+    context.synchronize()
+    assert torch.equal(model.linear.bias, bias)
+
+
 # --- captured read-only tensors -----------------------------------------------------------
 
 

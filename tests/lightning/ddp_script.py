@@ -86,7 +86,13 @@ RUNS = {
     ),
     # per-rank BatchNorm statistics: DDP's broadcast_buffers=False
     "cpu_bn": ("cpu", lambda: DDPStrategy(broadcast_buffers=False), {"net": "bn"}, {}),
-    "mncore_bn": ("mncore", lambda: "auto", {"net": "bn"}, {}),
+    "mncore_bn": ("mncore", lambda: MNCoreDDPStrategy(broadcast_buffers=False), {"net": "bn"}, {}),
+    # the defaults: rank 0's BatchNorm statistics broadcast before each synced forward
+    "cpu_bn_bcast": ("cpu", lambda: "ddp", {"net": "bn"}, {}),
+    "mncore_bn_bcast": ("mncore", lambda: "auto", {"net": "bn"}, {}),
+    # with accumulation: DDP syncs buffers only in a forward after a gradient sync
+    "cpu_bn_bcast_acc": ("cpu", lambda: "ddp", {"net": "bn"}, {"acc": 2}),
+    "mncore_bn_bcast_acc": ("mncore", lambda: "auto", {"net": "bn"}, {"acc": 2}),
     # SyncBatchNorm (Lightning converts the model): the global batch's statistics
     "mncore_syncbn": ("mncore", lambda: "auto", {"net": "bn"}, {"sync_bn": True}),
     "cpu_manual": ("cpu", lambda: "ddp", {"manual": True}, {}),

@@ -39,7 +39,17 @@ LIGHTNING_RUNS = (
     "mlsdk",
     "mncore_syncbn",
 )
-TORCHRUN_RUNS = ("cpu_bn", "mncore_bn", "cpu_manual", "mncore_manual", "collectives_o1")
+TORCHRUN_RUNS = (
+    "cpu_bn",
+    "mncore_bn",
+    "cpu_bn_bcast",
+    "mncore_bn_bcast",
+    "cpu_bn_bcast_acc",
+    "mncore_bn_bcast_acc",
+    "cpu_manual",
+    "mncore_manual",
+    "collectives_o1",
+)
 
 
 def _launch(command: list[str], out: Path) -> None:
@@ -48,7 +58,7 @@ def _launch(command: list[str], out: Path) -> None:
         "OMP_NUM_THREADS": "1",  # one thread per rank on a 2-core machine
         "MNCORE_PRESET": "O0",
         "MNCORE_DEVICE": "pfvm:cpu",
-        "PYTHONPATH": str(REPO),
+        "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "device")]),  # as pytest's
     }
     env.pop("LOCAL_RANK", None)
     # a session of its own: on a hang, every rank is stopped with the launcher
@@ -310,6 +320,18 @@ def test_torchrun_launch_matches_cpu_ddp_with_per_rank_batchnorm(torchrun_launch
     running = [key for key in got[0]["state"] if key.endswith("running_mean")]
     assert running
     assert not torch.equal(got[0]["state"][running[0]], got[1]["state"][running[0]])
+
+
+@pytest.mark.parametrize("suffix", ["", "_acc"])
+def test_torchrun_launch_matches_cpu_ddp_broadcasting_batchnorm_buffers(torchrun_launch, suffix):
+    """Lightning's "ddp" default, DDP's broadcast_buffers=True: rank 0's running statistics
+    reach rank 1 before each synced forward (with accumulation, every other one), so rank 1's
+    statistics, its evaluation and the sync_dist-averaged val_loss are cpu ddp's."""
+    got = assert_parity(torchrun_launch, f"cpu_bn_bcast{suffix}", f"mncore_bn_bcast{suffix}")
+    per_rank = _results(torchrun_launch, "mncore_bn")
+    running = [key for key in got[1]["state"] if key.endswith("running_mean")]
+    assert running
+    assert not torch.equal(got[1]["state"][running[0]], per_rank[1]["state"][running[0]])
 
 
 def test_torchrun_launch_matches_cpu_ddp_with_manual_optimization(torchrun_launch):

@@ -1,0 +1,186 @@
+"""Every preset runs every model family the interpreter runs, and trains as eager does.
+
+Six small model families (an MLP, a CNN with BatchNorm, an LSTM, a GRU, a Transformer encoder
+with dropout, an embedding with multi-head attention) x the presets debug, O0, O1 and O2: two
+training steps of SGD with momentum from the same seed give eager's losses, weights and
+buffers within 1e-5 (the Transformer's dropout masks too: every preset draws eager's random
+stream), and no graph falls back from Inductor to the interpreter. Models and batches are
+tiny; the O1/O2 part (marked inductor_matrix) is one Inductor compile per family and preset.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from mncore_device import InductorFallbackWarning
+from tests.device.device_testing import (
+    assert_state_close,
+    make_sgd,
+    register,
+    training_step,
+    twin,
+)
+
+ATOL = 1e-5
+VOCAB, CLASSES = 11, 3
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, CLASSES))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class CNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv2d(2, 4, 3, padding=1),
+            nn.BatchNorm2d(4),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(4, CLASSES),
+        )
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class Recurrent(nn.Module):
+    def __init__(self, cell: type[nn.Module]) -> None:
+        super().__init__()
+        self.rnn = cell(4, 6, num_layers=2, batch_first=True)
+        self.head = nn.Linear(6, CLASSES)
+
+    def forward(self, x):
+        out, _ = self.rnn(x)
+        return self.head(out[:, -1])
+
+
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.1, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        self.head = nn.Linear(8, CLASSES)
+
+    def forward(self, x):
+        return self.head(self.encoder(x).mean(1))
+
+
+class EmbeddingAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 8)
+        self.attention = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, CLASSES)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        mask = torch.triu(torch.ones(5, 5, dtype=torch.bool), diagonal=1)
+        y, _ = self.attention(x, x, x, attn_mask=mask, need_weights=False)
+        return self.head(y.mean(1))
+
+
+def _sequences(generator):
+    return torch.randn(3, 5, 4, generator=generator)
+
+
+FAMILIES = {
+    "mlp": (MLP, lambda g: torch.randn(3, 6, generator=g)),
+    "cnn_batchnorm": (CNN, lambda g: torch.randn(3, 2, 5, 5, generator=g)),
+    "lstm": (lambda: Recurrent(nn.LSTM), _sequences),
+    "gru": (lambda: Recurrent(nn.GRU), _sequences),
+    "transformer_encoder": (Encoder, lambda g: torch.randn(3, 5, 8, generator=g)),
+    "embedding_attention": (
+        EmbeddingAttention,
+        lambda g: torch.randint(0, VOCAB, (3, 5), generator=g),
+    ),
+}
+
+
+def loss_fn(model, batch):
+    return F.cross_entropy(model(batch["x"]), batch["t"])
+
+
+def _batches(family: str, n: int = 2) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    make_input = FAMILIES[family][1]
+    return [
+        {"x": make_input(generator), "t": torch.randint(0, CLASSES, (3,), generator=generator)}
+        for _ in range(n)
+    ]
+
+
+def _train_as_eager(context, model, loss, batches, preset):
+    """Two compiled steps at `preset` and two eager ones from the same seed (the same dropout
+    masks: every preset draws eager's stream) give the same losses, weights and buffers; no
+    graph fell back from Inductor."""
+    reference = twin(model)
+    optimizer = make_sgd(model.parameters(), 0.1, 0.9)
+    register(context, model, optimizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", InductorFallbackWarning)
+        compiled = context.compile(
+            training_step(model, optimizer, loss), batches[0], options={"option_json": preset}
+        )
+        torch.manual_seed(2)
+        losses = [compiled(batch)["loss"].item() for batch in batches]
+    context.synchronize()
+
+    reference_step = training_step(reference, make_sgd(reference.parameters(), 0.1, 0.9), loss)
+    torch.manual_seed(2)
+    expected = [reference_step(batch)["loss"].item() for batch in batches]
+    torch.testing.assert_close(losses, expected, rtol=0, atol=ATOL)
+    assert_state_close(model, reference, atol=ATOL)
+
+
+@pytest.mark.parametrize("preset", ["debug", "O0"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_interpreter_presets_train_every_family_as_eager(context, family, preset):
+    torch.manual_seed(0)
+    model = FAMILIES[family][0]()
+    _train_as_eager(context, model, loss_fn, _batches(family), preset)
+
+
+@pytest.mark.inductor_matrix
+@pytest.mark.parametrize("preset", ["O1", "O2"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_inductor_presets_train_every_family_as_eager(context, family, preset):
+    """One Inductor compile per family and preset, 3-26 s each on 2 busy cores (about two
+    minutes for the twelve with an empty Inductor cache; all six families in one graph took
+    as long). Deselect with -m "not inductor_matrix" for a quick run."""
+    torch.manual_seed(0)
+    model = FAMILIES[family][0]()
+    _train_as_eager(context, model, loss_fn, _batches(family), preset)
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_an_lstm_step_called_without_grad_mode_trains_as_eager(context, mode):
+    """The CPU LSTM kernel keeps the workspace its backward reads only in grad mode: a step
+    called inside no_grad or inference_mode still trains (the kernel runs in grad mode)."""
+    torch.manual_seed(0)
+    model = FAMILIES["lstm"][0]()
+    reference = twin(model)
+    optimizer = make_sgd(model.parameters(), 0.1, 0.9)
+    register(context, model, optimizer)
+    batches = _batches("lstm")
+    compiled = context.compile(
+        training_step(model, optimizer, loss_fn), batches[0], options={"option_json": "O0"}
+    )
+    with mode():
+        losses = [compiled(batch)["loss"].item() for batch in batches]
+    context.synchronize()
+    reference_step = training_step(reference, make_sgd(reference.parameters(), 0.1, 0.9), loss_fn)
+    expected = [reference_step(batch)["loss"].item() for batch in batches]
+    torch.testing.assert_close(losses, expected, rtol=0, atol=ATOL)
+    assert_state_close(model, reference, atol=ATOL)
