@@ -9,7 +9,7 @@ import torch
 
 from . import trace_events
 from .executors import Executor
-from .specs import TensorSpec, check_input, check_input_keys
+from .specs import TensorSpec, check_input_keys, conform_input
 from .tracing import StateKind
 
 
@@ -46,7 +46,7 @@ class InputProxy:
 
     def load_from(self, tensor: torch.Tensor, clone: bool = True) -> None:
         """Copy `tensor` into the buffer; with clone=False a same-device tensor is used as is."""
-        check_input(self.name, self.spec, tensor)
+        tensor = conform_input(self.name, self.spec, tensor)
         with trace_events.span("load_from", "transfer", name=self.name):
             self._load(tensor, clone)
 
@@ -144,7 +144,7 @@ class CompiledFunction:
             elif not isinstance(value, torch.Tensor):
                 raise TypeError(f"input {key!r} must be a tensor, got {type(value).__name__}")
             if value.shape != spec.shape or value.dtype != spec.dtype:
-                check_input(key, spec, value)
+                value = conform_input(key, spec, value)
             if value.device != device:
                 value = value.to(device, non_blocking=True)
             args.append(value if value.is_contiguous() else value.contiguous())

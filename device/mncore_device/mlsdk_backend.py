@@ -50,7 +50,7 @@ from .errors import MLSDKNotInstalledError, MNCoreError, RegistrationError
 from .naming import optimizer_name_prefix, set_tensor_name
 from .presets import PRESET_DIR
 from .registry import device_optimizer_for
-from .specs import TensorSpec, check_input, check_input_keys
+from .specs import TensorSpec, check_input_keys, conform_input
 
 # Where MLSDK's compile presets (debug.json, O0.json ... O4.json) live on SDK images; PFN's
 # examples read $PRESET_OPTIONS_DIR first.
@@ -370,10 +370,11 @@ class MLSDKCompiledFunction:
     def __call__(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
         if self.input_specs:
             check_input_keys(inputs, self.input_specs)
+            inputs = {k: inputs[k] for k in self.input_specs}  # extra keys are ignored
             for key, spec in self.input_specs.items():
                 value = inputs[key]
                 if isinstance(value, torch.Tensor):
-                    check_input(key, spec, value)
+                    inputs[key] = conform_input(key, spec, value)
         elif not isinstance(inputs, Mapping):
             check_input_keys(inputs, {})
         self._context._push_learning_rates()

@@ -442,6 +442,14 @@ def test_wrong_batch_is_refused_before_mlsdk_is_called(mlsdk, tmp_path):
     assert len(mlsdk.call_log) == calls
 
 
+def test_extra_keys_and_size_one_dimensions_are_conformed_before_mlsdk(mlsdk, tmp_path):
+    context = new_context()
+    compiled = compile_add(context, tmp_path)
+    x = torch.ones(3, 4)
+    out = compiled({"x": x, "y": x, "unused": torch.zeros(2)})
+    torch.testing.assert_close(context.to_host(out)["out"], x + x)
+
+
 def test_presets_map_to_mlsdk_preset_files(mlsdk, tmp_path):
     o0 = fake.PRESET_DIR / "O0.json"
     assert mlsdk_preset_path("O0") == o0
