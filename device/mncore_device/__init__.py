@@ -18,6 +18,7 @@ from .device import BACKENDS, Backend, MNDevice, mlsdk_available, resolve_backen
 from .emulator import EmulatorContext, RegisteredValueProxy
 from .errors import (
     CodegenDirError,
+    ContextInvalidatedError,
     InputSpecError,
     MLSDKNotInstalledError,
     MNCoreError,
@@ -52,6 +53,7 @@ __all__ = [
     "trace_event",
     "trace_scope",
     "CodegenDirError",
+    "ContextInvalidatedError",
     "BACKENDS",
     "DEFAULT_PRESET",
     "PRESET_NAMES",

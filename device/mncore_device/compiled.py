@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from . import trace_events
+from .errors import ContextInvalidatedError
 from .executors import Executor
 from .specs import TensorSpec, check_input_keys, conform_input
 from .tracing import StateKind
@@ -120,7 +121,15 @@ class CompiledFunction:
                 return self._call(inputs)
         return self._call(inputs)
 
+    def invalidate(self, reason: str) -> None:
+        """Drop the executor and device memory; later calls raise `reason`."""
+        self._invalidated = reason
+        self._executor = None
+        self._state, self._mutated, self._constants = [], [], []
+
     def _call(self, inputs: Mapping[str, torch.Tensor | InputProxy]) -> dict[str, torch.Tensor]:
+        if self._executor is None:
+            raise ContextInvalidatedError(f"compiled function {self.name!r}: {self._invalidated}")
         args = self._arguments(inputs)
         outputs = self._executor(args)
         n = len(self._output_keys)

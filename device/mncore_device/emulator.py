@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from .compile_keywords import CompileKeywords, warn_unhonoured
 from .compiled import CompiledFunction, DeviceSlot, TensorProxy
 from .context import Context, Role, StepFunction
 from .device import Backend
-from .errors import InputSpecError, RegistrationError
+from .errors import ContextInvalidatedError, InputSpecError, RegistrationError
 from .executors import build_executor
 from .presets import Preset, load_preset
 from .specs import TensorSpec
@@ -42,7 +43,7 @@ class RegisteredValueProxy:
 
     @property
     def shape(self) -> torch.Size:
-        return self._slot.value.shape
+        return self._value().shape
 
     def load_from(self, tensor: torch.Tensor, clone: bool = True) -> None:
         """Push a host value to the device (e.g. after loading a checkpoint on the host)."""
@@ -50,8 +51,15 @@ class RegisteredValueProxy:
         with trace_events.span("load_from", "transfer", name=self.name):
             self._load(tensor)
 
+    def _value(self) -> torch.Tensor:
+        if self._slot.value is None:
+            raise ContextInvalidatedError(
+                f"the device value of {self.name!r} was released by Context.invalidate()"
+            )
+        return self._slot.value
+
     def _load(self, tensor: torch.Tensor) -> None:
-        current = self._slot.value
+        current = self._value()
         if tuple(tensor.shape) != tuple(current.shape):
             raise ValueError(
                 f"load_from: {self.name} has shape {list(current.shape)} on the device, "
@@ -62,7 +70,7 @@ class RegisteredValueProxy:
     def cpu(self) -> torch.Tensor:
         """A host copy of the device value (a snapshot: later calls do not change it)."""
         with trace_events.span("cpu", "transfer", name=self.name):
-            return self._slot.value.detach().to("cpu", copy=True)
+            return self._value().detach().to("cpu", copy=True)
 
 
 TensorProxy.register(RegisteredValueProxy)
@@ -74,6 +82,16 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
     def __init__(self, device="pfvm:cpu", backend: str | None = None) -> None:
         super().__init__(device, backend)
         self._slots: dict[str, DeviceSlot] = {}
+        self._functions: weakref.WeakSet[CompiledFunction] = weakref.WeakSet()
+
+    @override
+    def _release(self) -> None:
+        reason = f"its {self!r} was invalidated (Context.invalidate())"
+        for function in list(self._functions):
+            function.invalidate(reason)
+        for slot in self._slots.values():
+            slot.value = None
+        self._slots.clear()
 
     # --- registration --------------------------------------------------------------------
 
@@ -95,6 +113,7 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
 
     @override
     def get_registered_value_proxy(self, tensor: torch.Tensor) -> RegisteredValueProxy:
+        self._check_valid("get_registered_value_proxy")
         (tensor,) = self._require_registered([tensor])
         return RegisteredValueProxy(self._slots[self._names[id(tensor)]])
 
@@ -102,6 +121,7 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
 
     @override
     def synchronize(self, tensors: Iterable[torch.Tensor] | None = None) -> None:
+        self._check_valid("synchronize")
         if tensors is None:
             slots = self._slots.values()
         else:
@@ -167,6 +187,7 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
 
     @override
     def load_codegen_dir(self, path: str | os.PathLike[str]) -> CompiledFunction:
+        self._check_valid("load_codegen_dir")
         start = time.perf_counter()
         with trace_events.span("load_codegen_dir", "compile", codegen_dir=str(path)):
             traced, specs = artifacts.load(Path(os.fspath(path)))
@@ -238,7 +259,7 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
         if cache_options is not None:
             artifacts.cache_record(cache_options, key)
         mutated = [slots[i] for i in traced.mutated_state]
-        return CompiledFunction(
+        function = CompiledFunction(
             executor,
             slots,
             mutated,
@@ -250,6 +271,8 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
             copied_outputs=traced.outputs_aliasing_state,
             name=name,
         )
+        self._functions.add(function)
+        return function
 
 
 def _float_dtype(value: object) -> torch.dtype | None:

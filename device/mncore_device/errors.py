@@ -30,3 +30,7 @@ class RegistrationError(ValueError, MNCoreError):
 class CodegenDirError(ValueError, MNCoreError):
     """A codegen directory is incomplete, inconsistent, of another format or not data this
     package wrote; the message names the file. Nothing from it was run: compile again."""
+
+
+class ContextInvalidatedError(MNCoreError):
+    """A Context (or a function compiled in it) was used after `Context.invalidate()`."""

@@ -159,6 +159,19 @@ class MLSDKContext(Context, backend=Backend.MLSDK):
     def _made_current(self) -> None:
         self.sdk.Context.switch_context(self.sdk_context)
 
+    @override
+    def _release(self) -> None:
+        """`mlsdk.Context.invalidate()`, where this MLSDK has it."""
+        invalidate = getattr(self.sdk_context, "invalidate", None)
+        if invalidate is None:
+            warn_unhonoured(
+                "Context.invalidate()",
+                "this MLSDK's Context has no invalidate(); its memory is freed when the "
+                "Context is garbage-collected",
+            )
+            return
+        invalidate()
+
     # --- registration --------------------------------------------------------------------
 
     @override
@@ -212,6 +225,7 @@ class MLSDKContext(Context, backend=Backend.MLSDK):
     @override
     def get_registered_value_proxy(self, tensor: torch.Tensor) -> Any:
         """MLSDK's proxy of a registered tensor's device value (`load_from`, explicit transfers)."""
+        self._check_valid("get_registered_value_proxy")
         (tensor,) = self._require_registered([tensor])
         return self.sdk_context.get_registered_value_proxy(tensor)
 
@@ -223,6 +237,7 @@ class MLSDKContext(Context, backend=Backend.MLSDK):
 
         MLSDK synchronizes everything registered, so `tensors` only names what must be fresh.
         """
+        self._check_valid("synchronize")
         self._require_registered(tensors or ())
         self.sdk_context.synchronize()
 
@@ -269,6 +284,7 @@ class MLSDKContext(Context, backend=Backend.MLSDK):
     @override
     def load_codegen_dir(self, path: str | os.PathLike[str]) -> MLSDKCompiledFunction:
         """`mlsdk.Context.load_codegen_dir`: a function compiled earlier, without recompiling."""
+        self._check_valid("load_codegen_dir")
         start = time.perf_counter()
         compiled = self.sdk_context.load_codegen_dir(self._storage_path(path))
         specs = _tensor_specs(getattr(compiled, "input_specs", None))

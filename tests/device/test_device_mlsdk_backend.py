@@ -546,3 +546,15 @@ def test_mlsdk_tensor_proxies_are_tensor_proxies(mlsdk, tmp_path):
     out = compiled({"x": torch.ones(3, 4), "y": torch.ones(3, 4)})["out"]
     assert isinstance(out, mlsdk.TensorProxy) and isinstance(out, TensorProxy)
     torch.testing.assert_close(out.cpu(), torch.full((3, 4), 2.0))
+
+
+def test_invalidate_invalidates_mlsdk_context(mlsdk, tmp_path):
+    from mncore_device import ContextInvalidatedError
+
+    context = new_context()
+    compile_add(context, tmp_path)
+    start = len(mlsdk.call_log)
+    context.invalidate()
+    assert [c.name for c in mlsdk.call_log[start:]] == ["Context.invalidate"]
+    with pytest.raises(ContextInvalidatedError):
+        context.synchronize()

@@ -508,3 +508,43 @@ def test_float_dtype_mixed_trains_like_eager_autocast():
     torch.testing.assert_close(torch.stack(losses), torch.stack(expected), rtol=1e-6, atol=1e-6)
     for got, want in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+# --- Context.invalidate ---------------------------------------------------------------------
+
+
+def test_invalidate_releases_a_stage_and_the_next_context_starts_afresh():
+    """PFN's pipeline scripts compile one stage per Context, copy its outputs to the host,
+    invalidate it, and build the next stage in a new Context."""
+    from mncore_device import ContextInvalidatedError
+
+    model = _mlp()
+    x = _batch()["x"]
+    context = _context()
+    context.registry.register("model", model)
+    compiled = context.compile(lambda inp: {"y": model(inp["x"])}, {"x": x}, options={})
+    host = {k: v.cpu() for k, v in compiled({"x": x}).items()}
+    proxy = context.get_registered_value_proxy(model[0].weight)
+
+    context.invalidate()
+    context.invalidate()  # twice: nothing more happens
+    assert context.invalidated and context.registered_names == []
+    torch.testing.assert_close(host["y"], model(x).detach(), rtol=0, atol=0)  # host copies stay
+    with pytest.raises(ContextInvalidatedError, match="compiled function.*invalidated"):
+        compiled({"x": x})
+    for use in (
+        lambda: context.compile(lambda inp: {"y": inp["x"]}, {"x": x}),
+        context.synchronize,
+        lambda: context.register_param(model[0].weight),
+        lambda: Context.switch_context(context),
+        proxy.cpu,
+    ):
+        with pytest.raises(ContextInvalidatedError, match="invalidate"):
+            use()
+    with pytest.raises(RuntimeError, match="no current Context"):
+        Context.get_current_context()
+
+    following = _context()  # the same tensors register again in a new context
+    following.registry.register("model", model)
+    again = following.compile(lambda inp: {"y": model(inp["x"]) * 2}, {"x": x}, options={})
+    torch.testing.assert_close(again({"x": x})["y"], model(x).detach() * 2, rtol=0, atol=0)
