@@ -45,7 +45,7 @@ from .artifacts import CacheOptions
 from .compile_keywords import CompileKeywords, warn_unhonoured
 from .compiled import TensorProxy
 from .context import Context, Role, StepFunction
-from .device import Backend, MNDevice, mlsdk_missing_message
+from .device import Backend, MNDevice, mlsdk_available, mlsdk_missing_message
 from .errors import MLSDKNotInstalledError, MNCoreError, RegistrationError
 from .naming import optimizer_name_prefix, set_tensor_name
 from .presets import PRESET_DIR
@@ -65,6 +65,8 @@ MLSDK_OPTIMIZERS = ("MNCoreSGD", "MNCoreAdam", "MNCoreAdamW")
 
 def import_mlsdk() -> ModuleType:
     """PFN's `mlsdk` module, or an error that says what to install or fix."""
+    if not mlsdk_available():  # not even the stand-in `mlsdk` counts
+        raise MLSDKNotInstalledError(mlsdk_missing_message("The MLSDK backend"))
     try:
         return importlib.import_module("mlsdk")
     except ModuleNotFoundError as error:
