@@ -3,9 +3,13 @@
 A codegen directory holds everything needed to run the step again without its Python
 function, as data, never code: the functional graph as a JSON op list (`graph.json`,
 resolved against `torch.ops` when read; `graph.py` is a readable listing, never imported),
-the input, output and state specs (`specs.json`), and the values of the unregistered
-tensors the graph captured (`captured.pt`, read with `weights_only=True`). Registered state
-is bound again by name at load time.
+the input, output and state specs (`specs.json`), and the values of every tensor the graph
+reads as state (`captured.pt`, read with `weights_only=True`): the unregistered tensors it
+captured and the registered ones as the device held them at compile time. At load time,
+registered state is bound again by name to the loading Context's tensors; a name that
+Context has not registered starts from the directory's value, in device memory only (as
+MLSDK's codegen dirs carry their weights: PFN's run_pp_llama.py loads stages without
+registering the model).
 
 A directory is written whole into a temporary sibling and renamed into place, so an
 interrupted compile leaves the previous directory (or none), never a mix of two; specs.json
@@ -86,12 +90,22 @@ def canonical(traced: TracedStep) -> TracedStep:
     return traced
 
 
-def save(path: Path, traced: TracedStep, specs: dict, preset: Preset) -> None:
-    """Write a codegen directory: all of it, or (if interrupted) nothing."""
+def save(
+    path: Path,
+    traced: TracedStep,
+    specs: dict,
+    preset: Preset,
+    registered_values: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """Write a codegen directory: all of it, or (if interrupted) nothing.
+
+    registered_values: the device values of the registered state, by name (default: the
+    host tensors), saved so that a Context that has not registered them can run the step."""
     graph = json.dumps(graph_to_json(traced.graph_module.graph), indent=0).encode()
     buffer = io.BytesIO()
+    registered_values = registered_values or {}
     captured = {
-        s.name: s.tensor.detach().cpu() for s in traced.state if s.kind is not StateKind.REGISTERED
+        s.name: registered_values.get(s.name, s.tensor).detach().cpu() for s in traced.state
     }
     torch.save(captured, buffer)
     tensors = buffer.getvalue()

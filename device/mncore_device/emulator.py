@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 import weakref
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -173,7 +174,12 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
         slots = self._bind(traced)
         specs = artifacts.describe(traced)
         if codegen_dir is not None:
-            artifacts.save(Path(os.fspath(codegen_dir)), traced, specs, preset)
+            values = {
+                b.name: slot.value
+                for b, slot in zip(traced.state, slots, strict=True)
+                if b.kind is StateKind.REGISTERED
+            }
+            artifacts.save(Path(os.fspath(codegen_dir)), traced, specs, preset, values)
         return self._finish(
             traced,
             slots,
@@ -197,18 +203,27 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
             return self._finish(traced, slots, specs, preset, None, start, name=name)
 
     def _bind(self, traced: TracedStep) -> list[DeviceSlot]:
-        """Device slots for the graph's state inputs: shared for registered tensors."""
+        """Device slots for the graph's state inputs: shared for registered tensors; a loaded
+        step's registered state that this Context has not registered gets its own slot,
+        holding the codegen dir's value."""
         slots = []
         device = self.device.torch_device
+        unregistered_updates = []
         for binding in traced.state:
-            if binding.kind is StateKind.REGISTERED:
-                slot = self._slots.get(binding.name)
-                if slot is None:
+            if binding.kind is StateKind.REGISTERED and binding.name not in self._slots:
+                if binding.tensor.device.type == "meta":  # a dir without the value
                     raise RegistrationError(
-                        f"the compiled step needs tensor {binding.name!r}, which is not registered "
-                        "in this Context: name and register the model and optimizer as when it "
-                        "was compiled"
+                        f"the compiled step needs tensor {binding.name!r}, which is not "
+                        "registered in this Context and whose value its codegen dir does not "
+                        "hold: name and register the model and optimizer as when it was compiled"
                     )
+                # the value the codegen dir holds, in this device's memory only
+                value = binding.tensor.detach().to(device, copy=True)
+                slot = DeviceSlot(binding.name, None, value, StateKind.PRIVATE)
+                if binding.mutated:
+                    unregistered_updates.append(binding.name)
+            elif binding.kind is StateKind.REGISTERED:
+                slot = self._slots[binding.name]
                 if slot.value.shape != binding.tensor.shape:
                     raise RegistrationError(
                         f"tensor {binding.name!r} has shape {list(slot.value.shape)} here but "
@@ -223,6 +238,16 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
                 )
                 slot = DeviceSlot(binding.name, host, value, binding.kind)
             slots.append(slot)
+        if unregistered_updates:
+            warnings.warn(
+                f"the loaded step updates {len(unregistered_updates)} tensor(s) not registered "
+                f"in this Context ({', '.join(map(repr, unregistered_updates[:5]))}"
+                f"{', ...' if len(unregistered_updates) > 5 else ''}): they start from the "
+                "codegen dir's values and live on the device only; synchronize() cannot write "
+                "them back. Register the model and optimizer before load_codegen_dir to train "
+                "your own tensors.",
+                stacklevel=3,
+            )
         return slots
 
     def _finish(

@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,6 @@ from mncore_device import (
     CacheOptions,
     CodegenDirError,
     InputSpecError,
-    RegistrationError,
     storage,
 )
 from tests.device.device_testing import (
@@ -202,14 +202,42 @@ def test_codegen_dir_loads_into_a_second_context_in_process(context, tmp_path):
     torch.testing.assert_close(losses, expected, rtol=1e-6, atol=1e-6)
 
 
-def test_loading_without_registering_names_the_missing_tensor(context, tmp_path):
+def test_a_codegen_dir_carries_its_weights_for_a_context_that_registered_none(context, tmp_path):
+    """As MLSDK's: PFN's run_pp_llama.py loads each stage without registering the model. The
+    dir holds the device values at compile time (here changed on the device only)."""
     model = nn.Linear(3, 2)
     register(context, model)
+    new_weight = torch.randn(2, 3)
+    context.get_registered_value_proxy(model.weight).load_from(new_weight)
+    x = torch.randn(2, 3)
+    compile_o0(context, lambda b: {"y": model(b["x"])}, {"x": x}, codegen_dir=tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # read-only weights: nothing to warn about
+        loaded = new_context().load_codegen_dir(tmp_path)
+    expected = x @ new_weight.T + model.bias.detach()
+    torch.testing.assert_close(loaded({"x": x})["y"], expected, rtol=0, atol=0)
+
+
+def test_loading_a_training_step_without_registering_warns_that_nothing_syncs(tmp_path):
+    context = new_context()
+    model = nn.Linear(3, 2)
+    optimizer = make_sgd(model.parameters(), 0.1, 0.9)
+    register(context, model, optimizer)
+    batches = classification_batches(2, 4, 3, 2)
     compile_o0(
-        context, lambda b: {"y": model(b["x"])}, {"x": torch.randn(2, 3)}, codegen_dir=tmp_path
+        context,
+        training_step(model, optimizer, cross_entropy),
+        batches[0],
+        codegen_dir=tmp_path,
     )
-    with pytest.raises(RegistrationError, match="model@weight"):
-        new_context().load_codegen_dir(tmp_path)
+    with pytest.warns(UserWarning, match=r"updates 4 tensor\(s\) not registered.*model@weight"):
+        loaded = new_context().load_codegen_dir(tmp_path)
+    reference = twin(model)
+    losses = device_train(loaded, batches)
+    expected = eager_train(
+        reference, make_sgd(reference.parameters(), 0.1, 0.9), cross_entropy, batches
+    )
+    torch.testing.assert_close(losses, expected, rtol=1e-6, atol=1e-6)
 
 
 def test_loading_a_directory_that_is_not_a_codegen_dir_fails(context, tmp_path):

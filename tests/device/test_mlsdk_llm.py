@@ -169,6 +169,25 @@ def test_compiled_prefill_and_decode_generate_what_generate_does(kind):
     assert tokens == _greedy_reference(model, prompt, new_tokens)
 
 
+def _stage_step(stage, middle: bool):
+    """The step compiled for one stage; a decoder stage's KV cache crosses it as a tensor,
+    shifted by one token (static shapes)."""
+
+    def forward(batch):
+        batch = dict(batch)
+        if middle:
+            past = batch.get("past_key_values")
+            batch["past_key_values"] = kv_cache_to_legacy(past) if past is not None else None
+        outputs = stage(**batch)
+        if middle:
+            outputs["past_key_values_out"] = kv_cache_to_tensor(outputs["past_key_values_out"])[
+                :, :, :, :, 1:, :
+            ]
+        return outputs
+
+    return forward
+
+
 def _run_stages(stages, inputs, n_layers_per_stage, compile_each: bool):
     """compile_pp_llama.py's flow: one Context per stage, compiled, called, invalidated."""
     h, caches = None, []
@@ -191,19 +210,7 @@ def _run_stages(stages, inputs, n_layers_per_stage, compile_each: bool):
                     first : first + n_layers_per_stage
                 ]
 
-        middle = 0 < index < len(stages) - 1
-
-        def forward(batch, stage=stage, middle=middle):
-            batch = dict(batch)
-            if middle:
-                past = batch.get("past_key_values")
-                batch["past_key_values"] = kv_cache_to_legacy(past) if past is not None else None
-            outputs = stage(**batch)
-            if middle:
-                outputs["past_key_values_out"] = kv_cache_to_tensor(outputs["past_key_values_out"])[
-                    :, :, :, :, 1:, :
-                ]
-            return outputs
+        forward = _stage_step(stage, middle=0 < index < len(stages) - 1)
 
         if compile_each:
             context = Context(MNDevice("pfvm:cpu"))
@@ -255,3 +262,144 @@ def test_split_llama_refuses_what_it_cannot_split():
         split_llama(model, 5)
     with pytest.raises(TypeError, match="Llama-style"):
         split_llama(torch.nn.Linear(2, 2), 3)
+
+
+# --- a pipeline over processes (run_pp_llama.py) ----------------------------------------------
+
+HIDDEN, HEAD_DIM = 32, 8
+
+
+def _compile_stage_dirs(model, n_stages: int, length: int, root) -> dict[str, list[str]]:
+    """Each stage compiled twice, for prefill and for one-token decode, into codegen dirs."""
+    config = model.config
+    layers_per_stage = -(-config.num_hidden_layers // (n_stages - 2))
+    dirs: dict[str, list[str]] = {"prefill": [], "decode": []}
+    for phase, tokens in (("prefill", length), ("decode", 1)):
+        for index, stage in enumerate(split_llama(model, n_stages)):
+            if index == 0:
+                sample = {
+                    "input_ids": torch.zeros(1, tokens, dtype=torch.long),
+                    "position_ids": torch.ones(1, tokens, dtype=torch.long),
+                }
+            elif index == n_stages - 1:
+                sample = {"hidden_states": torch.zeros(1, tokens, HIDDEN)}
+            else:
+                sample = {
+                    "hidden_states": torch.zeros(1, tokens, HIDDEN),
+                    "position_embeddings_cos": torch.zeros(1, tokens, HEAD_DIM),
+                    "position_embeddings_sin": torch.zeros(1, tokens, HEAD_DIM),
+                    "attention_mask": torch.zeros(1, 1, tokens, length),
+                    "position_ids": torch.ones(1, tokens, dtype=torch.long),
+                }
+                if phase == "decode":
+                    kv_heads = config.num_key_value_heads
+                    sample["past_key_values"] = torch.zeros(
+                        layers_per_stage, 2, 1, kv_heads, length - 1, HEAD_DIM
+                    )
+            context = Context(MNDevice("pfvm:cpu"))
+            Context.switch_context(context)
+            context.registry.register("model", stage)
+            path = root / phase / f"stage_{index}"
+            context.compile(
+                _stage_step(stage, 0 < index < n_stages - 1),
+                sample,
+                str(path),
+                options={"option_json": "O0"},
+            )
+            context.invalidate()
+            dirs[phase].append(str(path))
+    return dirs
+
+
+def _pipeline_rank(rank, world, dirs, port, prompt, length, new_tokens, result_file):
+    """One process of run_pp_llama.py's pipeline: load its stage, pass activations on with
+    gloo, greedy-decode; rank 0 writes the tokens it received."""
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    context = Context(MNDevice("pfvm:cpu"))
+    Context.switch_context(context)
+    prefill = context.load_codegen_dir(dirs["prefill"][rank])
+    decode = context.load_codegen_dir(dirs["decode"][rank])
+    padded = left_padded([prompt], length)
+    positions = padded["attention_mask"].cumsum(1)
+    mask = prepare_4d_causal_attention_mask_with_cache_position(
+        padded["attention_mask"], positions, torch.float32
+    )
+    input_ids, past, tokens = padded["input_ids"], None, []
+    last = world - 1
+    for step in range(new_tokens):
+        tokens_now = length if step == 0 else 1
+        if rank == 0:
+            inputs = {"input_ids": input_ids, "position_ids": positions}
+        else:
+            width = HIDDEN if rank == last else HIDDEN + 2 * HEAD_DIM
+            buffer = torch.zeros(1, tokens_now, width)
+            dist.recv(buffer, src=rank - 1)
+            if rank == last:
+                inputs = {"hidden_states": buffer}
+            else:
+                inputs = {
+                    "hidden_states": buffer[:, :, :HIDDEN],
+                    "position_embeddings_cos": buffer[:, :, HIDDEN : HIDDEN + HEAD_DIM],
+                    "position_embeddings_sin": buffer[:, :, HIDDEN + HEAD_DIM :],
+                    "attention_mask": mask,
+                    "position_ids": positions,
+                }
+                if past is not None:
+                    inputs["past_key_values"] = past
+        outputs = context.to_host((prefill if step == 0 else decode)(inputs))
+        if rank == last:
+            dist.send(outputs["logits"].argmax(dim=2)[:, -1:].contiguous(), dst=0)
+        else:
+            parts = [outputs["hidden_states_out"]]
+            if "position_embeddings_cos_out" in outputs:
+                parts += [
+                    outputs["position_embeddings_cos_out"],
+                    outputs["position_embeddings_sin_out"],
+                ]
+            dist.send(torch.cat(parts, dim=-1).contiguous(), dst=rank + 1)
+            past = outputs.get("past_key_values_out")
+        mask = torch.roll(mask[:, :, -1:, :], shifts=-1, dims=-1)
+        mask[:, :, :, -1] = 0
+        positions = positions[:, -1:] + 1
+        if rank == 0:
+            input_ids = torch.zeros(1, 1, dtype=torch.long)
+            dist.recv(input_ids, src=last)
+            tokens.append(input_ids.item())
+        dist.barrier()
+    context.invalidate()
+    dist.destroy_process_group()
+    if rank == 0:
+        with open(result_file, "w") as file:
+            json.dump(tokens, file)
+
+
+def test_a_pipeline_of_loaded_stages_over_gloo_processes_generates_what_generate_does(tmp_path):
+    """compile_pp_llama.py then run_pp_llama.py: three stages compiled into codegen dirs,
+    each loaded by its own process (no model there: the dirs carry the weights), activations
+    passed on with gloo. The greedy tokens are those of model.generate."""
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    model = tiny_llm("llama", layers=2)
+    prompt, length, new_tokens = PROMPTS[0], LENGTH, 3
+    dirs = _compile_stage_dirs(model, 3, length, tmp_path)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    result = tmp_path / "tokens.json"
+    mp.spawn(
+        _pipeline_rank,
+        args=(3, dirs, port, prompt, length, new_tokens, str(result)),
+        nprocs=3,
+        join=True,
+    )
+    assert json.loads(result.read_text()) == _greedy_reference(model, prompt, new_tokens)
