@@ -346,5 +346,11 @@ class Context(ABC):
         return None
 
     @abstractmethod
-    def load_codegen_dir(self, path: str | os.PathLike[str]) -> Any:
-        """Rebuild a function compiled earlier (possibly in another process), without tracing."""
+    def load_codegen_dir(
+        self, path: str | os.PathLike[str], *, trust_compiled_code: bool = False
+    ) -> Any:
+        """Rebuild a function compiled earlier (possibly in another process), without tracing.
+
+        trust_compiled_code: run the compiled host code the directory holds (checked against
+        the sha256 in its specs.json) instead of compiling its graph again; only for
+        directories you trust, as for any code you run."""

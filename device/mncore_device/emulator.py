@@ -26,7 +26,7 @@ from .compiled import CompiledFunction, DeviceSlot, TensorProxy
 from .context import Context, Role, StepFunction
 from .device import Backend
 from .errors import ContextInvalidatedError, InputSpecError, RegistrationError
-from .executors import build_executor
+from .executors import CompiledCode, build_executor
 from .presets import Preset, load_preset
 from .specs import TensorSpec
 from .tracing import StateKind, TracedStep, trace_step
@@ -173,14 +173,17 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
         _check_constraints(traced, keywords.io_spec_constraints or {})
         slots = self._bind(traced)
         specs = artifacts.describe(traced)
+        prepared, compiled_code = None, None
         if codegen_dir is not None:
             values = {
                 b.name: slot.value
                 for b, slot in zip(traced.state, slots, strict=True)
                 if b.kind is StateKind.REGISTERED
             }
-            artifacts.save(Path(os.fspath(codegen_dir)), traced, specs, preset, values)
-        return self._finish(
+            prepared = artifacts.prepare(traced, specs, preset, values)
+            if preset.executor == "inductor":  # the dir keeps the compiled code
+                compiled_code = self._compiled_code(prepared.specs, preset, cache_options)
+        compiled = self._finish(
             traced,
             slots,
             specs,
@@ -189,18 +192,52 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
             start,
             name=_function_name(function, codegen_dir),
             compile_threads=keywords.num_compiler_threads,
+            compiled_code=compiled_code,
         )
+        if prepared is not None:
+            artifacts.save(
+                Path(os.fspath(codegen_dir)),
+                prepared,
+                compiled_code.cache_dir if compiled_code is not None else None,
+                compiled_code.files() if compiled_code is not None else [],
+            )
+        return compiled
 
     @override
-    def load_codegen_dir(self, path: str | os.PathLike[str]) -> CompiledFunction:
+    def load_codegen_dir(
+        self, path: str | os.PathLike[str], *, trust_compiled_code: bool = False
+    ) -> CompiledFunction:
+        """Rebuild a step from its codegen dir. With an Inductor preset the dir also holds
+        the step's compiled host code: with trust_compiled_code=True it is checked against
+        specs.json's sha256 and run (no compile); otherwise the step is compiled again from
+        its graph, which is data, and a one-line note says so."""
         self._check_valid("load_codegen_dir")
         start = time.perf_counter()
+        directory = Path(os.fspath(path))
         with trace_events.span("load_codegen_dir", "compile", codegen_dir=str(path)):
-            traced, specs = artifacts.load(Path(os.fspath(path)))
+            traced, specs = artifacts.load(directory)
             slots = self._bind(traced)
             preset = Preset(**specs["preset"])
+            compiled_code = None
+            if preset.executor == "inductor":
+                names = artifacts.compiled_files(directory, specs, trust_compiled_code)
+                compiled_code = self._compiled_code(specs, preset, None)
+                if names is not None:
+                    compiled_code.install(directory / artifacts.COMPILED_DIR, names)
             name = _function_name(None, path)
-            return self._finish(traced, slots, specs, preset, None, start, name=name)
+            return self._finish(
+                traced, slots, specs, preset, None, start, name=name, compiled_code=compiled_code
+            )
+
+    def _compiled_code(
+        self, specs: dict, preset: Preset, cache_options: CacheOptions | None
+    ) -> CompiledCode:
+        """Inductor's cache directory for this step (see CompiledCode): one per graph,
+        preset, device and torch, inside the CacheOptions cache or Inductor's own."""
+        key = artifacts.compiled_code_key(specs, preset, self.device.torch_device)
+        if cache_options is not None and cache_options.enable_codegen_cache:
+            return CompiledCode(key, cache_options.path / "inductor")
+        return CompiledCode(key)
 
     def _bind(self, traced: TracedStep) -> list[DeviceSlot]:
         """Device slots for the graph's state inputs: shared for registered tensors; a loaded
@@ -260,6 +297,7 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
         start,
         name: str,
         compile_threads: int | None = None,
+        compiled_code: CompiledCode | None = None,
     ) -> CompiledFunction:
         device = self.device.torch_device
         example_args = [slot.value for slot in slots] + [
@@ -280,6 +318,7 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
             cache_options.path if cache_options is not None else None,
             compile_threads,
             traced.mutated_state,
+            compiled_code,
         )
         if cache_options is not None:
             artifacts.cache_record(cache_options, key)
@@ -296,6 +335,7 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
             copied_outputs=traced.outputs_aliasing_state,
             name=name,
         )
+        function._compiled_code = compiled_code  # its files stay while the function lives
         self._functions.add(function)
         return function
 

@@ -284,8 +284,13 @@ class MLSDKContext(Context, backend=Backend.MLSDK):
         return result
 
     @override
-    def load_codegen_dir(self, path: str | os.PathLike[str]) -> MLSDKCompiledFunction:
-        """`mlsdk.Context.load_codegen_dir`: a function compiled earlier, without recompiling."""
+    def load_codegen_dir(
+        self, path: str | os.PathLike[str], *, trust_compiled_code: bool = False
+    ) -> MLSDKCompiledFunction:
+        """`mlsdk.Context.load_codegen_dir`: a function compiled earlier, without recompiling.
+
+        trust_compiled_code concerns the emulator's codegen dirs; MLSDK loads its own."""
+        del trust_compiled_code
         self._check_valid("load_codegen_dir")
         start = time.perf_counter()
         compiled = self.sdk_context.load_codegen_dir(self._storage_path(path))
