@@ -11,6 +11,12 @@ Context has not registered starts from the directory's value, in device memory o
 MLSDK's codegen dirs carry their weights: PFN's run_pp_llama.py loads stages without
 registering the model).
 
+With an Inductor preset the directory also holds the step's compiled host code under
+`compiled/`: Inductor's cache for that step alone (its FX graph and AOTAutograd entries and
+the built kernels), each file's sha256 in specs.json["compiled"]. That is code, so a load
+runs it only when asked to (`load_codegen_dir(path, trust_compiled_code=True)`, after
+checking every hash); otherwise the graph, which is data, is compiled again.
+
 A directory is written whole into a temporary sibling and renamed into place, so an
 interrupted compile leaves the previous directory (or none), never a mix of two; specs.json
 carries the sha256 of graph.json and captured.pt, checked before either is read.
