@@ -184,7 +184,7 @@ def compiled_files(path: Path, specs: dict, trust_compiled_code: bool) -> list[s
             f"load_codegen_dir({str(path)!r}): compiling the step from its graph; pass "
             "trust_compiled_code=True to run the compiled code the directory holds instead "
             "(verified against specs.json, and much faster)",
-            stacklevel=4,
+            stacklevel=3,
         )
         return None
     try:
@@ -194,7 +194,7 @@ def compiled_files(path: Path, specs: dict, trust_compiled_code: bool) -> list[s
                 f"load_codegen_dir({str(path)!r}): its compiled code is for torch "
                 f"{compiled['torch']}, this is torch {torch.__version__}; compiling the step "
                 "from its graph",
-                stacklevel=4,
+                stacklevel=3,
             )
             return None
         names = list(hashes)
