@@ -2,11 +2,18 @@
 
 Compiles a training step (the tutorial MLP 1024-256-10, batch 64, or a torchvision ResNet-18,
 batch 8 of 3x32x32; SGD with momentum) into a codegen dir with an empty Inductor cache, then
-loads that dir three times in new processes sharing the cache, and prints the seconds of
-each (the call itself, Inductor's imports included) and the ratio of the compile to the
-median load. Every load's first step must give the compile's loss (`same_loss`).
+loads that dir in new processes, three times each way, and prints the seconds of each (the
+call itself, Inductor's imports included) and the ratio of the compile to the median load:
 
-    python benchmarks/bench_codegen.py [--model mlp|resnet18] [--preset O1]
+* cold, trusted: an empty Inductor cache per load (a fresh machine) and
+  `trust_compiled_code=True`: the dir's compiled code runs, nothing is compiled;
+* warm: the compile's Inductor cache, not trusting the dir: the graph is compiled again and
+  Inductor's cache has it;
+* cold, untrusted (--untrusted): an empty cache, not trusting the dir: a full compile.
+
+Every load's first step must give the compile's loss (`same_loss`).
+
+    python benchmarks/bench_codegen.py [--model mlp|resnet18] [--preset O1] [--untrusted]
 """
 
 from __future__ import annotations
@@ -52,7 +59,8 @@ def run_one(mode: str, model_name: str, preset: str, codegen: str) -> dict:
     if mode == "compile":
         compiled = context.compile(step, batch, codegen, options={"option_json": preset})
     else:
-        compiled = context.load_codegen_dir(codegen)
+        trusted = mode == "cold-trusted"
+        compiled = context.load_codegen_dir(codegen, trust_compiled_code=trusted)
     seconds = time.perf_counter() - start
     return {"mode": mode, "seconds": round(seconds, 2), "loss": compiled(batch)["loss"].item()}
 
@@ -61,31 +69,35 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["mlp", "resnet18"], default="mlp")
     parser.add_argument("--preset", default="O1")
+    parser.add_argument("--untrusted", action="store_true", help="also time untrusted cold loads")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(run_one(args.child[0], args.model, args.preset, args.child[1])))
         return
-    results = []
+    modes = ["cold-trusted", "warm"] + (["cold-untrusted"] if args.untrusted else [])
+    results: dict[str, list[dict]] = {mode: [] for mode in ["compile", *modes]}
     with tempfile.TemporaryDirectory() as tmp:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "inductor")}
         codegen = str(Path(tmp) / "codegen")
-        for mode in ("compile", "load", "load", "load"):
+        runs = [("compile", "shared")] + [(m, "shared" if m == "warm" else None) for m in modes] * 3
+        for index, (mode, cache) in enumerate(runs):
+            cache_dir = Path(tmp) / (cache or f"empty-{index}") / "inductor"
+            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir)}
             command = [sys.executable, __file__, "--model", args.model, "--preset", args.preset]
             out = subprocess.run(
                 [*command, "--child", mode, codegen], env=env, capture_output=True, text=True
             )
             if out.returncode:
                 sys.exit(out.stderr)
-            results.append(json.loads(out.stdout.strip().splitlines()[-1]))
-            print(json.dumps(results[-1]))
-    compile_s = results[0]["seconds"]
-    load_s = statistics.median(r["seconds"] for r in results[1:])
-    same = all(r["loss"] == results[0]["loss"] for r in results[1:])
-    summary = {"model": args.model, "preset": args.preset, "compile_s": compile_s}
-    summary.update(
-        load_median_s=load_s, ratio=round(compile_s / load_s, 1) if load_s else None, same_loss=same
-    )
+            results[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(json.dumps(results[mode][-1]))
+    (compiled,) = results["compile"]
+    summary = {"model": args.model, "preset": args.preset, "compile_s": compiled["seconds"]}
+    for mode in modes:
+        median = statistics.median(r["seconds"] for r in results[mode])
+        summary[f"{mode}_load_median_s"] = median
+        summary[f"{mode}_ratio"] = round(compiled["seconds"] / median, 1) if median else None
+    summary["same_loss"] = all(r["loss"] == compiled["loss"] for m in modes for r in results[m])
     print(json.dumps(summary))
 
 

@@ -18,6 +18,7 @@ from .device import BACKENDS, Backend, MNDevice, mlsdk_available, resolve_backen
 from .emulator import EmulatorContext, RegisteredValueProxy
 from .errors import (
     CodegenDirError,
+    ContextInvalidatedError,
     InductorFallbackWarning,
     InputSpecError,
     MLSDKNotInstalledError,
@@ -53,6 +54,7 @@ __all__ = [
     "trace_event",
     "trace_scope",
     "CodegenDirError",
+    "ContextInvalidatedError",
     "BACKENDS",
     "DEFAULT_PRESET",
     "PRESET_NAMES",

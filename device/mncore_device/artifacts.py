@@ -3,9 +3,19 @@
 A codegen directory holds everything needed to run the step again without its Python
 function, as data, never code: the functional graph as a JSON op list (`graph.json`,
 resolved against `torch.ops` when read; `graph.py` is a readable listing, never imported),
-the input, output and state specs (`specs.json`), and the values of the unregistered
-tensors the graph captured (`captured.pt`, read with `weights_only=True`). Registered state
-is bound again by name at load time.
+the input, output and state specs (`specs.json`), and the values of every tensor the graph
+reads as state (`captured.pt`, read with `weights_only=True`): the unregistered tensors it
+captured and the registered ones as the device held them at compile time. At load time,
+registered state is bound again by name to the loading Context's tensors; a name that
+Context has not registered starts from the directory's value, in device memory only (as
+MLSDK's codegen dirs carry their weights: PFN's run_pp_llama.py loads stages without
+registering the model).
+
+With an Inductor preset the directory also holds the step's compiled host code under
+`compiled/`: Inductor's cache for that step alone (its FX graph and AOTAutograd entries and
+the built kernels), each file's sha256 in specs.json["compiled"]. That is code, so a load
+runs it only when asked to (`load_codegen_dir(path, trust_compiled_code=True)`, after
+checking every hash); otherwise the graph, which is data, is compiled again.
 
 A directory is written whole into a temporary sibling and renamed into place, so an
 interrupted compile leaves the previous directory (or none), never a mix of two; specs.json
@@ -20,6 +30,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,8 +47,9 @@ GRAPH_FILE = "graph.json"
 LISTING_FILE = "graph.py"
 SPECS_FILE = "specs.json"
 CAPTURED_FILE = "captured.pt"
+COMPILED_DIR = "compiled"  # Inductor's cache files for the step: compiled host code
 # What a compile writes (and, on rewriting a directory, replaces); graph.pt is format 1's.
-_OWN_FILES = (GRAPH_FILE, LISTING_FILE, SPECS_FILE, CAPTURED_FILE, "graph.pt")
+_OWN_FILES = (GRAPH_FILE, LISTING_FILE, SPECS_FILE, CAPTURED_FILE, COMPILED_DIR, "graph.pt")
 
 
 @dataclass(frozen=True)
@@ -86,12 +98,32 @@ def canonical(traced: TracedStep) -> TracedStep:
     return traced
 
 
-def save(path: Path, traced: TracedStep, specs: dict, preset: Preset) -> None:
-    """Write a codegen directory: all of it, or (if interrupted) nothing."""
+@dataclass(frozen=True)
+class PreparedDir:
+    """A codegen directory's data files, serialized before the step is handed to Inductor
+    (whose passes edit the graph module in place)."""
+
+    graph: bytes
+    listing: str
+    tensors: bytes
+    specs: dict
+
+
+def prepare(
+    traced: TracedStep,
+    specs: dict,
+    preset: Preset,
+    registered_values: dict[str, torch.Tensor] | None = None,
+) -> PreparedDir:
+    """The files of a codegen directory for `traced`.
+
+    registered_values: the device values of the registered state, by name (default: the
+    host tensors), saved so that a Context that has not registered them can run the step."""
     graph = json.dumps(graph_to_json(traced.graph_module.graph), indent=0).encode()
     buffer = io.BytesIO()
+    registered_values = registered_values or {}
     captured = {
-        s.name: s.tensor.detach().cpu() for s in traced.state if s.kind is not StateKind.REGISTERED
+        s.name: registered_values.get(s.name, s.tensor).detach().cpu() for s in traced.state
     }
     torch.save(captured, buffer)
     tensors = buffer.getvalue()
@@ -100,18 +132,83 @@ def save(path: Path, traced: TracedStep, specs: dict, preset: Preset) -> None:
         "preset": preset.to_json(),
         "sha256": {GRAPH_FILE: _sha256(graph), CAPTURED_FILE: _sha256(tensors)},
     }
+    return PreparedDir(graph, traced.graph_module.code, tensors, specs)
+
+
+def save(
+    path: Path,
+    prepared: PreparedDir,
+    compiled_from: Path | None = None,
+    compiled_files: list[str] = (),
+) -> None:
+    """Write a codegen directory: all of it, or (if interrupted) nothing.
+
+    compiled_from / compiled_files: Inductor's cache files for this step (its compiled host
+    code), copied into `compiled/` with their sha256 in specs.json["compiled"]."""
+    specs = dict(prepared.specs)
     path = path.absolute()
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.writing-", dir=path.parent))
     try:
-        (staging / GRAPH_FILE).write_bytes(graph)
-        (staging / LISTING_FILE).write_text(traced.graph_module.code)
-        (staging / CAPTURED_FILE).write_bytes(tensors)
+        (staging / GRAPH_FILE).write_bytes(prepared.graph)
+        (staging / LISTING_FILE).write_text(prepared.listing)
+        (staging / CAPTURED_FILE).write_bytes(prepared.tensors)
+        if compiled_from is not None:
+            hashes = {}
+            for name in compiled_files:
+                data = (compiled_from / name).read_bytes()
+                target = staging / COMPILED_DIR / name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(data)
+                hashes[name] = _sha256(data)
+            specs["compiled"] = {"torch": torch.__version__, "sha256": hashes}
         (staging / SPECS_FILE).write_text(json.dumps(specs, indent=1))
         _replace_dir(staging, path)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def compiled_files(path: Path, specs: dict, trust_compiled_code: bool) -> list[str] | None:
+    """The compiled host code a load may use: the names of the files under `compiled/`, each
+    checked against specs.json's sha256; None where the step is to be compiled from its graph.
+
+    Compiled code is code: it runs only when the caller trusts the directory
+    (`trust_compiled_code=True`). Otherwise the load compiles the graph, which is data, and
+    says so in one line."""
+    compiled = specs.get("compiled")
+    if compiled is None:
+        return None
+    if not trust_compiled_code:
+        warnings.warn(
+            f"load_codegen_dir({str(path)!r}): compiling the step from its graph; pass "
+            "trust_compiled_code=True to run the compiled code the directory holds instead "
+            "(verified against specs.json, and much faster)",
+            stacklevel=3,
+        )
+        return None
+    try:
+        hashes = compiled["sha256"]
+        if compiled["torch"] != torch.__version__:
+            warnings.warn(
+                f"load_codegen_dir({str(path)!r}): its compiled code is for torch "
+                f"{compiled['torch']}, this is torch {torch.__version__}; compiling the step "
+                "from its graph",
+                stacklevel=3,
+            )
+            return None
+        names = list(hashes)
+        for name in names:
+            relative = Path(name)
+            if relative.is_absolute() or ".." in relative.parts:
+                raise CodegenDirError(f"{path / SPECS_FILE}: compiled file {name!r} is outside")
+            _read_checked(path / COMPILED_DIR / relative, hashes[name], path / SPECS_FILE)
+    except (KeyError, TypeError, AttributeError) as error:
+        raise CodegenDirError(
+            f"{path / SPECS_FILE}: its 'compiled' entry is malformed ({error}); compile the "
+            "step again"
+        ) from None
+    return names
 
 
 def _replace_dir(staging: Path, path: Path) -> None:
@@ -208,8 +305,9 @@ def load(path: Path) -> tuple[TracedStep, dict]:
     return traced, specs
 
 
-def _read_checked(file: Path, expected: object) -> bytes:
-    """The bytes of `file`, if they hash to what specs.json says."""
+def _read_checked(file: Path, expected: object, specs_file: Path | None = None) -> bytes:
+    """The bytes of `file`, if they hash to what specs.json (`specs_file`) says."""
+    specs_file = specs_file or file.parent / SPECS_FILE
     if not file.is_file():
         raise CodegenDirError(
             f"{file} is missing (a codegen dir of an older format, or not complete): compile "
@@ -218,10 +316,20 @@ def _read_checked(file: Path, expected: object) -> bytes:
     data = file.read_bytes()
     if _sha256(data) != expected:
         raise CodegenDirError(
-            f"{file} does not match the sha256 in {file.parent / SPECS_FILE}: it was changed, "
+            f"{file} does not match the sha256 in {specs_file}: it was changed, "
             "truncated or comes from another compile; compile the step again"
         )
     return data
+
+
+def compiled_code_key(specs: dict, preset: Preset, device: torch.device) -> str:
+    """The same graph.json, preset, device type and torch: the same key (specs as written
+    to specs.json, with the graph's sha256)."""
+    text = json.dumps(
+        [specs["sha256"][GRAPH_FILE], preset.to_json(), device.type, torch.__version__],
+        sort_keys=True,
+    )
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 def cache_key(traced: TracedStep, specs: dict, preset: Preset, device: torch.device) -> str:

@@ -8,8 +8,9 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from . import trace_events
+from .errors import ContextInvalidatedError
 from .executors import Executor
-from .specs import TensorSpec, check_input, check_input_keys, check_real
+from .specs import TensorSpec, check_input_keys, check_real, conform_input
 from .tracing import StateKind
 
 
@@ -53,7 +54,7 @@ class InputProxy:
 
     def load_from(self, tensor: torch.Tensor, clone: bool = True) -> None:
         """Copy `tensor` into the buffer; with clone=False a same-device tensor is used as is."""
-        check_input(self.name, self.spec, tensor)
+        tensor = conform_input(self.name, self.spec, tensor)
         with trace_events.span("load_from", "transfer", name=self.name):
             self._load(tensor, clone)
 
@@ -143,7 +144,15 @@ class CompiledFunction:
                 return self._call(inputs)
         return self._call(inputs)
 
+    def invalidate(self, reason: str) -> None:
+        """Drop the executor and device memory; later calls raise `reason`."""
+        self._invalidated = reason
+        self._executor = None
+        self._state, self._mutated, self._constants = [], [], []
+
     def _call(self, inputs: Mapping[str, torch.Tensor | InputProxy]) -> dict[str, torch.Tensor]:
+        if self._executor is None:
+            raise ContextInvalidatedError(f"compiled function {self.name!r}: {self._invalidated}")
         args = self._arguments(inputs)
         self.calls += 1
         outputs = self._executor(args)
@@ -168,7 +177,7 @@ class CompiledFunction:
             elif not isinstance(value, torch.Tensor):
                 raise TypeError(f"input {key!r} must be a tensor, got {type(value).__name__}")
             if value.shape != spec.shape or value.dtype != spec.dtype:
-                check_input(key, spec, value)
+                value = conform_input(key, spec, value)
             if value.requires_grad:  # outputs and new state are data, with no autograd
                 value = value.detach()  # history (nor the memory one would hold)
             if value.device != device:

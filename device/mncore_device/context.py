@@ -23,7 +23,7 @@ from .artifacts import CacheOptions
 from .automap import AutomapFunction, compile_automap
 from .compile_keywords import CompileKeywords
 from .device import Backend, MNDevice, resolve_backend
-from .errors import RegistrationError
+from .errors import ContextInvalidatedError, RegistrationError
 from .naming import get_tensor_name, name_optimizer_state
 from .registry import Registry
 
@@ -71,6 +71,7 @@ class Context(ABC):
         self._registered: dict[str, torch.Tensor] = {}  # name -> host tensor
         self._names: dict[int, str] = {}  # id(host tensor) -> name
         self._optimizers: list[torch.optim.Optimizer] = []
+        self._invalidated = False
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(device={self.device})"
@@ -80,6 +81,7 @@ class Context(ABC):
     @staticmethod
     def switch_context(context: Context) -> None:
         """Make `context` the current one (on MLSDK, MLSDK's current context too)."""
+        context._check_valid("Context.switch_context")
         Context._current = context
         context._made_current()
 
@@ -92,6 +94,42 @@ class Context(ABC):
         if Context._current is None:
             raise RuntimeError("no current Context: call Context.switch_context(context) first")
         return Context._current
+
+    # --- the end of a context -------------------------------------------------------------
+
+    def invalidate(self) -> None:
+        """Release this context's device memory and every function compiled or loaded in it
+        (MLSDK's `Context.invalidate`; PFN's pipeline examples call it once a stage is done).
+
+        Device values are dropped, not written back: `synchronize()` first to keep them. The
+        host tensors, and outputs already copied to the host, stay as they are. Afterwards the
+        context and its compiled functions raise ContextInvalidatedError; registered tensors
+        may be registered again in a new Context. Invalidating twice does nothing.
+        """
+        if self._invalidated:
+            return
+        self._release()
+        self._invalidated = True
+        self._registered.clear()
+        self._names.clear()
+        self._optimizers.clear()
+        if Context._current is self:
+            Context._current = None
+
+    @property
+    def invalidated(self) -> bool:
+        return self._invalidated
+
+    def _release(self) -> None:
+        """The backend's part of `invalidate`: free device memory and compiled functions."""
+        return None
+
+    def _check_valid(self, what: str) -> None:
+        if self._invalidated:
+            raise ContextInvalidatedError(
+                f"{what}: {self!r} was invalidated (Context.invalidate()); create a new "
+                "Context for the device"
+            )
 
     # --- registration --------------------------------------------------------------------
 
@@ -112,6 +150,7 @@ class Context(ABC):
         a tensor (a Python float would be frozen into the graph). A backend may ask for more
         (MLSDK runs only its own optimizers).
         """
+        self._check_valid("register_optimizer_buffers")
         self._check_optimizer(optimizer)
         named = name_optimizer_state(optimizer)
         new = [(n, t) for n, t in named if self._registered.get(n) is not t]
@@ -125,6 +164,7 @@ class Context(ABC):
             self._optimizers.append(optimizer)
 
     def _register(self, tensor: torch.Tensor, role: Role) -> None:
+        self._check_valid(f"register_{role}")
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"register_{role} expects a tensor, got {type(tensor).__name__}")
         name = self._name_of(tensor, role)
@@ -257,6 +297,7 @@ class Context(ABC):
         The keywords are MLSDK's (see `CompileKeywords`); a backend warns once about any it
         cannot honour.
         """
+        self._check_valid("compile")
         keywords = CompileKeywords(
             optimizers=list(optimizers) if optimizers is not None else None,
             num_compiler_threads=num_compiler_threads,
@@ -308,5 +349,11 @@ class Context(ABC):
         return None
 
     @abstractmethod
-    def load_codegen_dir(self, path: str | os.PathLike[str]) -> Any:
-        """Rebuild a function compiled earlier (possibly in another process), without tracing."""
+    def load_codegen_dir(
+        self, path: str | os.PathLike[str], *, trust_compiled_code: bool = False
+    ) -> Any:
+        """Rebuild a function compiled earlier (possibly in another process), without tracing.
+
+        trust_compiled_code: run the compiled host code the directory holds (checked against
+        the sha256 in its specs.json) instead of compiling its graph again; only for
+        directories you trust, as for any code you run."""

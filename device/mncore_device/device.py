@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
+import os
+import sys
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -24,9 +27,37 @@ class Backend(StrEnum):
 BACKENDS = tuple(Backend)
 
 
+# A file in the `mlsdk` package that mncore-lightning installs where PFN's MLSDK is absent
+# (compat/mlsdk): it marks that package as the emulator's stand-in, never the real MLSDK.
+STAND_IN_MARKER = "_mncore_stand_in.py"
+
+
+def is_stand_in(spec: importlib.machinery.ModuleSpec | None) -> bool:
+    """Whether `spec` is mncore-lightning's stand-in `mlsdk` package."""
+    locations = (spec.submodule_search_locations or []) if spec is not None else []
+    return any(os.path.isfile(os.path.join(loc, STAND_IN_MARKER)) for loc in locations)
+
+
+def real_mlsdk_spec() -> importlib.machinery.ModuleSpec | None:
+    """The spec of PFN's MLSDK (module `mlsdk`) if one is importable, else None.
+
+    The stand-in `mlsdk` this package installs does not count: where it is found first (it
+    was imported already, or sits earlier on sys.path), the rest of sys.path is searched."""
+    try:
+        spec = importlib.util.find_spec("mlsdk")
+    except ValueError:  # sys.modules["mlsdk"] without a __spec__
+        return None
+    if spec is None or not is_stand_in(spec):
+        return spec
+    own = {os.path.realpath(os.path.dirname(loc)) for loc in spec.submodule_search_locations}
+    path = [p for p in sys.path if os.path.realpath(p or os.curdir) not in own]
+    spec = importlib.machinery.PathFinder.find_spec("mlsdk", path)
+    return None if spec is None or is_stand_in(spec) else spec
+
+
 def mlsdk_available() -> bool:
-    """True when PFN's MLSDK can be imported on this machine."""
-    return importlib.util.find_spec("mlsdk") is not None
+    """True when PFN's MLSDK can be imported on this machine (the stand-in is not MLSDK)."""
+    return real_mlsdk_spec() is not None
 
 
 def mlsdk_missing_message(what: str) -> str:

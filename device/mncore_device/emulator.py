@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import warnings
 import weakref
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -25,8 +26,8 @@ from .compile_keywords import CompileKeywords, warn_unhonoured
 from .compiled import CompiledFunction, DeviceSlot, TensorProxy
 from .context import Context, Role, StepFunction
 from .device import Backend
-from .errors import InputSpecError, RegistrationError
-from .executors import build_executor
+from .errors import ContextInvalidatedError, InputSpecError, RegistrationError
+from .executors import CompiledCode, build_executor
 from .presets import Preset, load_preset
 from .specs import TensorSpec
 from .tracing import StateKind, TracedStep, trace_step
@@ -44,7 +45,7 @@ class RegisteredValueProxy:
 
     @property
     def shape(self) -> torch.Size:
-        return self._slot.value.shape
+        return self._value().shape
 
     def load_from(self, tensor: torch.Tensor, clone: bool = True) -> None:
         """Push a host value to the device (e.g. after loading a checkpoint on the host)."""
@@ -52,8 +53,15 @@ class RegisteredValueProxy:
         with trace_events.span("load_from", "transfer", name=self.name):
             self._load(tensor)
 
+    def _value(self) -> torch.Tensor:
+        if self._slot.value is None:
+            raise ContextInvalidatedError(
+                f"the device value of {self.name!r} was released by Context.invalidate()"
+            )
+        return self._slot.value
+
     def _load(self, tensor: torch.Tensor) -> None:
-        current = self._slot.value
+        current = self._value()
         if tuple(tensor.shape) != tuple(current.shape):
             raise ValueError(
                 f"load_from: {self.name} has shape {list(current.shape)} on the device, "
@@ -64,7 +72,7 @@ class RegisteredValueProxy:
     def cpu(self) -> torch.Tensor:
         """A host copy of the device value (a snapshot: later calls do not change it)."""
         with trace_events.span("cpu", "transfer", name=self.name):
-            return self._slot.value.detach().to("cpu", copy=True)
+            return self._value().detach().to("cpu", copy=True)
 
 
 TensorProxy.register(RegisteredValueProxy)
@@ -76,7 +84,16 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
     def __init__(self, device="pfvm:cpu", backend: str | None = None) -> None:
         super().__init__(device, backend)
         self._slots: dict[str, DeviceSlot] = {}
-        self._compiled: weakref.WeakSet[CompiledFunction] = weakref.WeakSet()
+        self._functions: weakref.WeakSet[CompiledFunction] = weakref.WeakSet()
+
+    @override
+    def _release(self) -> None:
+        reason = f"its {self!r} was invalidated (Context.invalidate())"
+        for function in list(self._functions):
+            function.invalidate(reason)
+        for slot in self._slots.values():
+            slot.value = None
+        self._slots.clear()
 
     # --- registration --------------------------------------------------------------------
 
@@ -86,7 +103,7 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
         value = tensor.detach().to(self.device.torch_device, copy=True)
         slot = DeviceSlot(name, tensor, value, StateKind.REGISTERED)
         self._slots[name] = slot
-        for function in list(self._compiled):
+        for function in list(self._functions):
             function.rebind(tensor, slot)
 
     @override
@@ -103,7 +120,7 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
         compile: the function then uses the registered copy (see CompiledFunction.rebind),
         unless it has already run and so trained its own copy, which registering from the
         host value would silently drop."""
-        for function in list(self._compiled):
+        for function in list(self._functions):
             trained = [
                 s
                 for s in function.captured_unregistered(tensor)
@@ -124,6 +141,7 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
 
     @override
     def get_registered_value_proxy(self, tensor: torch.Tensor) -> RegisteredValueProxy:
+        self._check_valid("get_registered_value_proxy")
         (tensor,) = self._require_registered([tensor])
         return RegisteredValueProxy(self._slots[self._names[id(tensor)]])
 
@@ -131,6 +149,7 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
 
     @override
     def synchronize(self, tensors: Iterable[torch.Tensor] | None = None) -> None:
+        self._check_valid("synchronize")
         if tensors is None:
             slots = self._slots.values()
         else:
@@ -183,9 +202,17 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
         _check_constraints(traced, keywords.io_spec_constraints or {})
         slots = self._bind(traced)
         specs = artifacts.describe(traced)
+        prepared, compiled_code = None, None
         if codegen_dir is not None:
-            artifacts.save(Path(os.fspath(codegen_dir)), traced, specs, preset)
-        return self._finish(
+            values = {
+                b.name: slot.value
+                for b, slot in zip(traced.state, slots, strict=True)
+                if b.kind is StateKind.REGISTERED
+            }
+            prepared = artifacts.prepare(traced, specs, preset, values)
+            if preset.executor == "inductor":  # the dir keeps the compiled code
+                compiled_code = self._compiled_code(prepared.specs, preset, cache_options)
+        compiled = self._finish(
             traced,
             slots,
             specs,
@@ -194,34 +221,78 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
             start,
             name=_function_name(function, codegen_dir),
             compile_threads=keywords.num_compiler_threads,
+            compiled_code=compiled_code,
         )
+        if prepared is not None:
+            artifacts.save(
+                Path(os.fspath(codegen_dir)),
+                prepared,
+                compiled_code.cache_dir if compiled_code is not None else None,
+                compiled_code.files() if compiled_code is not None else [],
+            )
+        return compiled
 
     @override
-    def load_codegen_dir(self, path: str | os.PathLike[str]) -> CompiledFunction:
+    def load_codegen_dir(
+        self, path: str | os.PathLike[str], *, trust_compiled_code: bool = False
+    ) -> CompiledFunction:
+        """Rebuild a step from its codegen dir. With an Inductor preset the dir also holds
+        the step's compiled host code: with trust_compiled_code=True it is checked against
+        specs.json's sha256 and run (no compile); otherwise the step is compiled again from
+        its graph, which is data, and a one-line note says so."""
+        self._check_valid("load_codegen_dir")
         start = time.perf_counter()
+        directory = Path(os.fspath(path))
         with trace_events.span("load_codegen_dir", "compile", codegen_dir=str(path)):
-            traced, specs = artifacts.load(Path(os.fspath(path)))
+            traced, specs = artifacts.load(directory)
             slots = self._bind(traced, captured=False)
             preset = Preset(**specs["preset"])
+            compiled_code = None
+            if preset.executor == "inductor":
+                names = artifacts.compiled_files(directory, specs, trust_compiled_code)
+                compiled_code = self._compiled_code(specs, preset, None)
+                if names is not None:
+                    compiled_code.install(directory / artifacts.COMPILED_DIR, names)
             name = _function_name(None, path)
-            return self._finish(traced, slots, specs, preset, None, start, name=name)
+            return self._finish(
+                traced, slots, specs, preset, None, start, name=name, compiled_code=compiled_code
+            )
+
+    def _compiled_code(
+        self, specs: dict, preset: Preset, cache_options: CacheOptions | None
+    ) -> CompiledCode:
+        """Inductor's cache directory for this step (see CompiledCode): one per graph,
+        preset, device and torch, inside the CacheOptions cache or Inductor's own."""
+        key = artifacts.compiled_code_key(specs, preset, self.device.torch_device)
+        if cache_options is not None and cache_options.enable_codegen_cache:
+            return CompiledCode(key, cache_options.path / "inductor")
+        return CompiledCode(key)
 
     def _bind(self, traced: TracedStep, captured: bool = True) -> list[DeviceSlot]:
-        """Device slots for the graph's state inputs: shared for registered tensors.
+        """Device slots for the graph's state inputs: shared for registered tensors; a loaded
+        step's registered state that this Context has not registered gets its own slot,
+        holding the codegen dir's value.
 
         captured: the unregistered state's tensors are the host tensors the trace captured
         (a compile), not values saved in a codegen dir: registered later, they rebind."""
         slots = []
         device = self.device.torch_device
+        unregistered_updates = []
         for binding in traced.state:
-            if binding.kind is StateKind.REGISTERED:
-                slot = self._slots.get(binding.name)
-                if slot is None:
+            if binding.kind is StateKind.REGISTERED and binding.name not in self._slots:
+                if binding.tensor.device.type == "meta":  # a dir without the value
                     raise RegistrationError(
-                        f"the compiled step needs tensor {binding.name!r}, which is not registered "
-                        "in this Context: name and register the model and optimizer as when it "
-                        "was compiled"
+                        f"the compiled step needs tensor {binding.name!r}, which is not "
+                        "registered in this Context and whose value its codegen dir does not "
+                        "hold: name and register the model and optimizer as when it was compiled"
                     )
+                # the value the codegen dir holds, in this device's memory only
+                value = binding.tensor.detach().to(device, copy=True)
+                slot = DeviceSlot(binding.name, None, value, StateKind.PRIVATE)
+                if binding.mutated:
+                    unregistered_updates.append(binding.name)
+            elif binding.kind is StateKind.REGISTERED:
+                slot = self._slots[binding.name]
                 if slot.value.shape != binding.tensor.shape:
                     raise RegistrationError(
                         f"tensor {binding.name!r} has shape {list(slot.value.shape)} here but "
@@ -234,6 +305,16 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
                 source = binding.tensor if real and captured else None
                 slot = DeviceSlot(binding.name, host, value, binding.kind, source)
             slots.append(slot)
+        if unregistered_updates:
+            warnings.warn(
+                f"the loaded step updates {len(unregistered_updates)} tensor(s) not registered "
+                f"in this Context ({', '.join(map(repr, unregistered_updates[:5]))}"
+                f"{', ...' if len(unregistered_updates) > 5 else ''}): they start from the "
+                "codegen dir's values and live on the device only; synchronize() cannot write "
+                "them back. Register the model and optimizer before load_codegen_dir to train "
+                "your own tensors.",
+                stacklevel=3,
+            )
         return slots
 
     def _finish(
@@ -246,6 +327,7 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
         start,
         name: str,
         compile_threads: int | None = None,
+        compiled_code: CompiledCode | None = None,
     ) -> CompiledFunction:
         device = self.device.torch_device
         example_args = [slot.value for slot in slots] + [
@@ -266,11 +348,12 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
             cache_options.path if cache_options is not None else None,
             compile_threads,
             traced.mutated_state,
+            compiled_code,
         )
         if cache_options is not None:
             artifacts.cache_record(cache_options, key)
         mutated = [slots[i] for i in traced.mutated_state]
-        compiled = CompiledFunction(
+        function = CompiledFunction(
             executor,
             slots,
             mutated,
@@ -282,8 +365,9 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
             copied_outputs=traced.outputs_aliasing_state,
             name=name,
         )
-        self._compiled.add(compiled)
-        return compiled
+        function._compiled_code = compiled_code  # its files stay while the function lives
+        self._functions.add(function)
+        return function
 
 
 def _float_dtype(value: object) -> torch.dtype | None:

@@ -34,3 +34,7 @@ class CodegenDirError(ValueError, MNCoreError):
 
 class InductorFallbackWarning(UserWarning):
     """TorchInductor could not compile or run a step's graph: it runs op by op (as O0)."""
+
+
+class ContextInvalidatedError(MNCoreError):
+    """A Context (or a function compiled in it) was used after `Context.invalidate()`."""

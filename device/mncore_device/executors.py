@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -37,10 +38,12 @@ def build_executor(
     cache_dir: Path | None = None,
     compile_threads: int | None = None,
     mutated_inputs: Sequence[int] = (),
+    compiled_code: CompiledCode | None = None,
 ) -> Executor:
     """Make `gm` runnable on `device` under `preset` (compiling now, not on the first call).
 
     compile_threads: worker threads for Inductor's compile (MLSDK's num_compiler_threads).
+    compiled_code: Inductor compiles with this cache directory of its own (see CompiledCode).
     mutated_inputs: the graph's last outputs are the new values of these inputs (state), in
     this order. The executor returns them as the graph does; Inductor writes them into the
     inputs' own memory and returns those inputs (see `_updating_state_in_place`)."""
@@ -50,6 +53,8 @@ def build_executor(
         if preset.check_finite:
             return lambda args: _FiniteCheckingInterpreter(gm).run(*args)
         return _interpreted(gm)
+    if compiled_code is not None:
+        cache_dir = compiled_code.cache_dir
     try:
         run = _compile_with_inductor(
             gm, preset, example_args, cache_dir, compile_threads, list(mutated_inputs)
@@ -122,6 +127,49 @@ class _FirstCallChecked:
         return outputs
 
 
+class CompiledCode:
+    """Inductor's cache directory for one step alone, so that it holds exactly what the step
+    needs: what a compile into a codegen dir copies into the dir, and where a trusted load
+    puts the dir's files back (Inductor then finds its graph, its AOTAutograd entry and its
+    built kernels there, and compiles nothing).
+
+    The directory is `<Inductor's cache dir>/mncore_steps/<key>`, `key` naming the step's
+    graph, preset, device and torch: the same step compiled again (or loaded without
+    trusting the dir's code) finds its entries there, as in Inductor's shared cache. A new
+    directory starts with the source keys the shared cache remembers (`inductor_keys`)."""
+
+    def __init__(self, key: str, base: Path | None = None) -> None:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir as current_cache_dir
+
+        from .inductor_keys import FILE_NAME
+
+        shared = Path(base) if base is not None else Path(current_cache_dir())
+        self.cache_dir = shared / "mncore_steps" / key
+        inductor = self.cache_dir / "inductor"  # where _inductor_cache_dir points Inductor
+        inductor.mkdir(parents=True, exist_ok=True)
+        remembered = shared / FILE_NAME
+        if remembered.is_file() and not (inductor / FILE_NAME).exists():
+            shutil.copy2(remembered, inductor / FILE_NAME)
+
+    def install(self, source: Path, names: Sequence[str]) -> None:
+        """Copy the files `names` (relative paths, checked by the caller) from `source`."""
+        for name in names:
+            target = self.cache_dir / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            staging = target.with_name(f".{target.name}.{os.getpid()}")
+            shutil.copy2(source / name, staging)
+            os.replace(staging, target)
+
+    def files(self) -> list[str]:
+        """The files a load needs, relative to the directory (lock files left out)."""
+        names = []
+        for path in sorted(self.cache_dir.rglob("*")):
+            relative = path.relative_to(self.cache_dir)
+            if path.is_file() and "locks" not in relative.parts and path.suffix != ".lock":
+                names.append(relative.as_posix())
+        return names
+
+
 def _retarget_devices(gm: fx.GraphModule, device: torch.device) -> None:
     """Tensors the graph creates (zeros, random masks) are created in device memory."""
     if device.type == "cpu":
@@ -144,6 +192,10 @@ def _compile_with_inductor(
     from torch._inductor.compile_fx import compile_fx
 
     options = dict(list_mode_options(preset.inductor_mode))
+    # The ISA a CPU kernel is built for is picked from the CPU's flags, without Inductor's
+    # trial builds of a test program per ISA (seconds each, and repeated by every process
+    # with a fresh cache: a loaded codegen dir would spend most of its time there).
+    options["cpp.vec_isa_ok"] = True
     options.update(preset.inductor_options)
     options["fallback_random"] = preset.random == "eager"
     if compile_threads is not None:

@@ -45,12 +45,12 @@ from .artifacts import CacheOptions
 from .compile_keywords import CompileKeywords, warn_unhonoured
 from .compiled import TensorProxy
 from .context import Context, Role, StepFunction
-from .device import Backend, MNDevice, mlsdk_missing_message
+from .device import Backend, MNDevice, mlsdk_available, mlsdk_missing_message
 from .errors import MLSDKNotInstalledError, MNCoreError, RegistrationError
 from .naming import optimizer_name_prefix, set_tensor_name
 from .presets import PRESET_DIR
 from .registry import device_optimizer_for
-from .specs import TensorSpec, check_input, check_input_keys
+from .specs import TensorSpec, check_input_keys, conform_input
 
 # Where MLSDK's compile presets (debug.json, O0.json ... O4.json) live on SDK images; PFN's
 # examples read $PRESET_OPTIONS_DIR first.
@@ -65,6 +65,8 @@ MLSDK_OPTIMIZERS = ("MNCoreSGD", "MNCoreAdam", "MNCoreAdamW")
 
 def import_mlsdk() -> ModuleType:
     """PFN's `mlsdk` module, or an error that says what to install or fix."""
+    if not mlsdk_available():  # not even the stand-in `mlsdk` counts
+        raise MLSDKNotInstalledError(mlsdk_missing_message("The MLSDK backend"))
     try:
         return importlib.import_module("mlsdk")
     except ModuleNotFoundError as error:
@@ -159,6 +161,19 @@ class MLSDKContext(Context, backend=Backend.MLSDK):
     def _made_current(self) -> None:
         self.sdk.Context.switch_context(self.sdk_context)
 
+    @override
+    def _release(self) -> None:
+        """`mlsdk.Context.invalidate()`, where this MLSDK has it."""
+        invalidate = getattr(self.sdk_context, "invalidate", None)
+        if invalidate is None:
+            warn_unhonoured(
+                "Context.invalidate()",
+                "this MLSDK's Context has no invalidate(); its memory is freed when the "
+                "Context is garbage-collected",
+            )
+            return
+        invalidate()
+
     # --- registration --------------------------------------------------------------------
 
     @override
@@ -212,6 +227,7 @@ class MLSDKContext(Context, backend=Backend.MLSDK):
     @override
     def get_registered_value_proxy(self, tensor: torch.Tensor) -> Any:
         """MLSDK's proxy of a registered tensor's device value (`load_from`, explicit transfers)."""
+        self._check_valid("get_registered_value_proxy")
         (tensor,) = self._require_registered([tensor])
         return self.sdk_context.get_registered_value_proxy(tensor)
 
@@ -223,6 +239,7 @@ class MLSDKContext(Context, backend=Backend.MLSDK):
 
         MLSDK synchronizes everything registered, so `tensors` only names what must be fresh.
         """
+        self._check_valid("synchronize")
         self._require_registered(tensors or ())
         self.sdk_context.synchronize()
 
@@ -267,8 +284,14 @@ class MLSDKContext(Context, backend=Backend.MLSDK):
         return result
 
     @override
-    def load_codegen_dir(self, path: str | os.PathLike[str]) -> MLSDKCompiledFunction:
-        """`mlsdk.Context.load_codegen_dir`: a function compiled earlier, without recompiling."""
+    def load_codegen_dir(
+        self, path: str | os.PathLike[str], *, trust_compiled_code: bool = False
+    ) -> MLSDKCompiledFunction:
+        """`mlsdk.Context.load_codegen_dir`: a function compiled earlier, without recompiling.
+
+        trust_compiled_code concerns the emulator's codegen dirs; MLSDK loads its own."""
+        del trust_compiled_code
+        self._check_valid("load_codegen_dir")
         start = time.perf_counter()
         compiled = self.sdk_context.load_codegen_dir(self._storage_path(path))
         specs = _tensor_specs(getattr(compiled, "input_specs", None))
@@ -370,10 +393,11 @@ class MLSDKCompiledFunction:
     def __call__(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
         if self.input_specs:
             check_input_keys(inputs, self.input_specs)
+            inputs = {k: inputs[k] for k in self.input_specs}  # extra keys are ignored
             for key, spec in self.input_specs.items():
                 value = inputs[key]
                 if isinstance(value, torch.Tensor):
-                    check_input(key, spec, value)
+                    inputs[key] = conform_input(key, spec, value)
         elif not isinstance(inputs, Mapping):
             check_input_keys(inputs, {})
         self._context._push_learning_rates()

@@ -51,13 +51,18 @@ IOSpec = TensorSpec  # MLSDK's name for the specs in input_specs / output_specs
 
 
 def check_input_keys(inputs: object, specs: Mapping[str, TensorSpec]) -> None:
-    """A compiled function's call takes a dict with exactly the sample's keys."""
+    """A compiled function's call takes a dict holding every key of the sample.
+
+    Keys the function was not compiled with are ignored, as MLSDK ignores them: PFN's
+    examples fill one dict of inputs as they go and hand it to every compiled function
+    (stable_diffusion_eval.py passes the text encoder's `input_ids` to the UNet)."""
     if not isinstance(inputs, Mapping):
         raise TypeError(f"a compiled function takes a dict of tensors, got {type(inputs).__name__}")
-    if len(inputs) != len(specs) or any(k not in inputs for k in specs):
+    missing = [k for k in specs if k not in inputs]
+    if missing:
         raise InputSpecError(
-            f"compiled function called with inputs {sorted(inputs)}, but it was compiled "
-            f"for {sorted(specs)}: the keys must be those of the sample"
+            f"compiled function called without input(s) {missing}: it was compiled for "
+            f"{sorted(specs)}, got {sorted(inputs)}; the keys must be those of the sample"
         )
 
 
@@ -71,6 +76,22 @@ def check_real(key: str, value: torch.Tensor, where: str = "a compiled function'
             "the device: create it with values (e.g. model.to_empty(device='cpu') and load a "
             "state dict for meta-initialized modules, or pass the real batch)"
         )
+
+
+def conform_input(key: str, spec: TensorSpec, value: torch.Tensor) -> torch.Tensor:
+    """`value` as an input of `spec`: itself, or reshaped where the two shapes differ only in
+    dimensions of size 1 (a 0-d timestep for a compiled [1], a [4] for a [4, 1]), which
+    holds the same numbers in the same order. Anything else raises `check_input`'s error."""
+    if tuple(value.shape) == spec.shape and value.dtype == spec.dtype:
+        return value
+    if value.dtype == spec.dtype and _squeezed(value.shape) == _squeezed(spec.shape):
+        return value.reshape(spec.shape)
+    check_input(key, spec, value)
+    return value
+
+
+def _squeezed(shape) -> tuple[int, ...]:
+    return tuple(n for n in shape if n != 1)
 
 
 def check_input(key: str, spec: TensorSpec, value: torch.Tensor) -> None:

@@ -167,7 +167,8 @@ def trace_step(
             _prints_noted(),
         ):
             result = function(batch)
-        output_specs.update((k, TensorSpec.of(v)) for k, v in _check_outputs(result).items())
+        result = _outputs_in_host_dtype(_check_outputs(result), args, autocast_dtype)
+        output_specs.update((k, TensorSpec.of(v)) for k, v in result.items())
         return tuple(result[k] for k in output_specs)
 
     # Lazy GraphModules (as TorchInductor uses): the passes below each end with recompile(),
@@ -188,20 +189,33 @@ def trace_step(
         functional, mutated = _functionalize(gm, [s.tensor for s in state] + inputs, len(state))
     for index in mutated:
         state[index].mutated = True
+    unregistered = []
     for binding in state:
         if binding.kind is StateKind.CONSTANT and binding.mutated:
             binding.kind = StateKind.PRIVATE
-            warnings.warn(
-                f"tensor {binding.name!r} is updated by the compiled step but was never registered: "
-                "it trains on the device, but synchronize() will not write it back to the host. "
-                "Register it with context.register_param / register_buffer / "
-                "register_optimizer_buffers (before the compiled step's first call: the step "
-                "then trains the registered copy).",
-                stacklevel=3,
-            )
+            unregistered.append(binding.name)
+    if unregistered:
+        warnings.warn(_unregistered_message(unregistered), stacklevel=3)
     input_specs = {k: TensorSpec.of(sample[k]) for k in input_keys}
     traced = TracedStep(functional, state, input_specs, output_specs)
     return _prune_unused_state(traced)
+
+
+def _unregistered_message(names: list[str], shown: int = 5) -> str:
+    """One warning for every updated tensor that was never registered (a model's BatchNorm
+    buffers are often all of them: a warning each would bury the fix)."""
+    listed = ", ".join(repr(n) for n in names[:shown])
+    if len(names) > shown:
+        listed += f", ... ({len(names) - shown} more)"
+    what = "tensor is" if len(names) == 1 else "tensors are"
+    return (
+        f"{len(names)} {what} updated by the compiled step but never registered: {listed}. "
+        "They train on the device, but synchronize() will not write them back to the host. "
+        "Register them with context.register_param / register_buffer / "
+        "register_optimizer_buffers (for a model's buffers: `for b in model.buffers(): "
+        "context.register_buffer(b)`, or context.registry.register(name, model)), before the "
+        "compiled step's first call: the step then trains the registered copies."
+    )
 
 
 # --- the trace guard ------------------------------------------------------------------
@@ -533,6 +547,27 @@ def _autocast(args: tuple[torch.Tensor, ...], dtype: torch.dtype | None):
         return contextlib.nullcontext()
     device_type = args[0].device.type if args else "cpu"
     return torch.autocast(device_type, dtype=dtype)
+
+
+def _outputs_in_host_dtype(
+    result: Mapping[str, torch.Tensor],
+    args: tuple[torch.Tensor, ...],
+    autocast_dtype: torch.dtype | None,
+) -> Mapping[str, torch.Tensor]:
+    """float_dtype "mixed": outputs come back in the host tensors' dtype, not bfloat16.
+
+    MLSDK's mixed precision is internal to the device (dtypes are inherited from the host
+    tensors), so a step returns what it would return computing in "float": an output that
+    autocast left in `autocast_dtype` is cast (in the graph) to the host's floating dtype, the
+    widest floating dtype among the step's inputs and state (float32 by default). Where the
+    host tensors are themselves in `autocast_dtype`, nothing changes."""
+    if autocast_dtype is None:
+        return result
+    floats = [a.dtype for a in args if a.is_floating_point()]
+    host = max(floats, key=lambda d: torch.finfo(d).bits) if floats else torch.get_default_dtype()
+    if torch.finfo(host).bits <= torch.finfo(autocast_dtype).bits:
+        return result
+    return {k: v.to(host) if v.dtype == autocast_dtype else v for k, v in result.items()}
 
 
 def _is_traced(tensor: torch.Tensor, tracer) -> bool:

@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,6 @@ from mncore_device import (
     CacheOptions,
     CodegenDirError,
     InputSpecError,
-    RegistrationError,
     storage,
 )
 from tests.device.device_testing import (
@@ -202,14 +202,42 @@ def test_codegen_dir_loads_into_a_second_context_in_process(context, tmp_path):
     torch.testing.assert_close(losses, expected, rtol=1e-6, atol=1e-6)
 
 
-def test_loading_without_registering_names_the_missing_tensor(context, tmp_path):
+def test_a_codegen_dir_carries_its_weights_for_a_context_that_registered_none(context, tmp_path):
+    """As MLSDK's: PFN's run_pp_llama.py loads each stage without registering the model. The
+    dir holds the device values at compile time (here changed on the device only)."""
     model = nn.Linear(3, 2)
     register(context, model)
+    new_weight = torch.randn(2, 3)
+    context.get_registered_value_proxy(model.weight).load_from(new_weight)
+    x = torch.randn(2, 3)
+    compile_o0(context, lambda b: {"y": model(b["x"])}, {"x": x}, codegen_dir=tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # read-only weights: nothing to warn about
+        loaded = new_context().load_codegen_dir(tmp_path)
+    expected = x @ new_weight.T + model.bias.detach()
+    torch.testing.assert_close(loaded({"x": x})["y"], expected, rtol=0, atol=0)
+
+
+def test_loading_a_training_step_without_registering_warns_that_nothing_syncs(tmp_path):
+    context = new_context()
+    model = nn.Linear(3, 2)
+    optimizer = make_sgd(model.parameters(), 0.1, 0.9)
+    register(context, model, optimizer)
+    batches = classification_batches(2, 4, 3, 2)
     compile_o0(
-        context, lambda b: {"y": model(b["x"])}, {"x": torch.randn(2, 3)}, codegen_dir=tmp_path
+        context,
+        training_step(model, optimizer, cross_entropy),
+        batches[0],
+        codegen_dir=tmp_path,
     )
-    with pytest.raises(RegistrationError, match="model@weight"):
-        new_context().load_codegen_dir(tmp_path)
+    with pytest.warns(UserWarning, match=r"updates 4 tensor\(s\) not registered.*model@weight"):
+        loaded = new_context().load_codegen_dir(tmp_path)
+    reference = twin(model)
+    losses = device_train(loaded, batches)
+    expected = eager_train(
+        reference, make_sgd(reference.parameters(), 0.1, 0.9), cross_entropy, batches
+    )
+    torch.testing.assert_close(losses, expected, rtol=1e-6, atol=1e-6)
 
 
 def test_loading_a_directory_that_is_not_a_codegen_dir_fails(context, tmp_path):
@@ -601,3 +629,98 @@ def test_a_specs_file_with_malformed_values_is_refused(tmp_path, edit):
     edit_specs(path, edit)
     with pytest.raises(CodegenDirError, match=r"specs.json is malformed"):
         new_context().load_codegen_dir(path)
+
+
+# --- compiled code in the dir (Inductor presets) -----------------------------------------------
+
+LOAD_TRUSTED = """
+    import json
+    import sys
+    from pathlib import Path
+
+    import torch
+    from torch._dynamo.utils import counters
+
+    from mncore_device import Context, MNDevice, set_tensor_name_in_module
+
+    torch.set_num_threads(1)
+    tmp = Path(sys.argv[1])
+    model = torch.nn.Linear(6, 3)
+    model.load_state_dict(torch.load(tmp / "init.pt"))
+    context = Context(MNDevice("pfvm:cpu"))
+    Context.switch_context(context)
+    set_tensor_name_in_module(model, "model")
+    for p in model.parameters():
+        context.register_param(p)
+    loaded = context.load_codegen_dir(tmp / "codegen", trust_compiled_code=True)
+    out = loaded({"x": torch.load(tmp / "x.pt")})["y"]
+    inductor = dict(counters["inductor"])
+    print(json.dumps({"out": out.tolist(), "hits": inductor.get("fxgraph_cache_hit", 0),
+                      "misses": inductor.get("fxgraph_cache_miss", 0)}))
+"""
+
+
+@pytest.fixture(scope="module")
+def inductor_dir(tmp_path_factory):
+    """A step compiled with O1 into a codegen dir, which then holds its compiled code."""
+    tmp = tmp_path_factory.mktemp("compiled")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # Inductor's CPU code is specialized to it: as the load's process
+    torch.manual_seed(0)
+    model = nn.Linear(6, 3)
+    torch.save(model.state_dict(), tmp / "init.pt")
+    x = torch.randn(4, 6)
+    torch.save(x, tmp / "x.pt")
+    context = new_context()
+    register(context, model)
+    compiled = context.compile(
+        lambda b: {"y": torch.relu(model(b["x"]))}, {"x": x}, tmp / "codegen", {"option_json": "O1"}
+    )
+    out = compiled({"x": x})["y"]
+    torch.set_num_threads(threads)
+    return tmp, model, x, out
+
+
+def test_a_trusted_load_runs_the_dirs_compiled_code_on_a_cold_cache(inductor_dir):
+    """A fresh process with an empty Inductor cache: the step is not compiled (Inductor's
+    graph cache hits on the dir's files) and computes what the compile did."""
+    tmp, _, _, expected = inductor_dir
+    specs = json.loads((tmp / "codegen" / "specs.json").read_text())
+    files = {
+        p.relative_to(tmp / "codegen" / "compiled").as_posix()
+        for p in (tmp / "codegen" / "compiled").rglob("*")
+        if p.is_file()
+    }
+    assert set(specs["compiled"]["sha256"]) == files and any(f.endswith(".so") for f in files)
+    cache = tmp / "empty-inductor-cache"
+    report = json.loads(run_python(LOAD_TRUSTED, tmp, env={"TORCHINDUCTOR_CACHE_DIR": str(cache)}))
+    assert (report["hits"], report["misses"]) == (1, 0)
+    torch.testing.assert_close(torch.tensor(report["out"]), expected, rtol=0, atol=0)
+
+
+def test_an_untrusted_load_compiles_the_graph_and_says_so(inductor_dir):
+    tmp, model, x, expected = inductor_dir
+    context = new_context()
+    register(context, model)
+    with pytest.warns(UserWarning, match="compiling the step from its graph.*trust_compiled_code"):
+        loaded = context.load_codegen_dir(tmp / "codegen")
+    torch.testing.assert_close(loaded({"x": x})["y"], expected, rtol=0, atol=0)
+
+
+def test_changed_compiled_code_is_refused_before_anything_runs(inductor_dir, tmp_path):
+    tmp, model, x, expected = inductor_dir
+    copy = tmp_path / "codegen"
+    shutil.copytree(tmp / "codegen", copy)
+    specs = json.loads((copy / "specs.json").read_text())
+    victim = next(n for n in specs["compiled"]["sha256"] if n.endswith(".so"))
+    original = (copy / "compiled" / victim).read_bytes()
+    (copy / "compiled" / victim).write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
+    context = new_context()
+    register(context, model)
+    with pytest.raises(CodegenDirError, match=r"\.so does not match the sha256 in .*codegen/spec"):
+        context.load_codegen_dir(copy, trust_compiled_code=True)
+    (copy / "compiled" / victim).write_bytes(original)
+    specs["compiled"]["sha256"]["../graph.json"] = "0" * 64  # a name outside compiled/
+    (copy / "specs.json").write_text(json.dumps(specs))
+    with pytest.raises(CodegenDirError, match="outside"):
+        context.load_codegen_dir(copy, trust_compiled_code=True)

@@ -442,6 +442,14 @@ def test_wrong_batch_is_refused_before_mlsdk_is_called(mlsdk, tmp_path):
     assert len(mlsdk.call_log) == calls
 
 
+def test_extra_keys_and_size_one_dimensions_are_conformed_before_mlsdk(mlsdk, tmp_path):
+    context = new_context()
+    compiled = compile_add(context, tmp_path)
+    x = torch.ones(3, 4)
+    out = compiled({"x": x, "y": x, "unused": torch.zeros(2)})
+    torch.testing.assert_close(context.to_host(out)["out"], x + x)
+
+
 def test_presets_map_to_mlsdk_preset_files(mlsdk, tmp_path):
     o0 = fake.PRESET_DIR / "O0.json"
     assert mlsdk_preset_path("O0") == o0
@@ -538,3 +546,15 @@ def test_mlsdk_tensor_proxies_are_tensor_proxies(mlsdk, tmp_path):
     out = compiled({"x": torch.ones(3, 4), "y": torch.ones(3, 4)})["out"]
     assert isinstance(out, mlsdk.TensorProxy) and isinstance(out, TensorProxy)
     torch.testing.assert_close(out.cpu(), torch.full((3, 4), 2.0))
+
+
+def test_invalidate_invalidates_mlsdk_context(mlsdk, tmp_path):
+    from mncore_device import ContextInvalidatedError
+
+    context = new_context()
+    compile_add(context, tmp_path)
+    start = len(mlsdk.call_log)
+    context.invalidate()
+    assert [c.name for c in mlsdk.call_log[start:]] == ["Context.invalidate"]
+    with pytest.raises(ContextInvalidatedError):
+        context.synchronize()

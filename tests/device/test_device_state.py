@@ -127,7 +127,9 @@ def test_unregistered_parameter_warns_trains_on_device_and_is_never_synced(conte
     context.register_optimizer_buffers(optimizer)
     batches = classification_batches(4, 8, 4, 2)
 
-    with pytest.warns(UserWarning, match=r"model@linear/bias.*never registered"):
+    with pytest.warns(
+        UserWarning, match=r"1 tensor is updated .* never registered: 'model@linear/bias'"
+    ):
         compiled = compile_o0(context, training_step(model, optimizer, cross_entropy), batches[0])
     assert "model@linear/bias" not in context.registered_names
 
@@ -198,6 +200,26 @@ def test_registering_a_tensor_a_compiled_step_already_trained_fails_naming_it(co
         context.register_param(model.linear.bias)
     context.synchronize()
     assert torch.equal(model.linear.bias, bias)
+
+
+def test_unregistered_buffers_get_one_warning_listing_them(context):
+    """A model whose BatchNorm buffers were not registered (timm's resnet50: 159 of them)
+    gets one warning with the count, the first names and the fix, not one per buffer."""
+    model = nn.Sequential(*[nn.BatchNorm1d(4) for _ in range(8)])
+    set_tensor_name_in_module(model, "model")
+    for p in model.parameters():
+        context.register_param(p)  # the buffers are not registered
+    x = torch.randn(6, 4)
+    with pytest.warns(UserWarning) as caught:
+        compiled = compile_o0(context, lambda b: {"y": model(b["x"])}, {"x": x})
+    messages = [str(w.message) for w in caught if "never registered" in str(w.message)]
+    assert len(messages) == 1, messages
+    (message,) = messages
+    assert message.startswith("24 tensors are updated by the compiled step but never registered")
+    assert "'model@0/running_mean', 'model@0/running_var'" in message
+    assert "(19 more)" in message and "context.register_buffer(b)" in message
+    reference = twin(model)
+    torch.testing.assert_close(compiled({"x": x})["y"], reference(x), rtol=0, atol=0)
 
 
 # --- captured read-only tensors -----------------------------------------------------------

@@ -152,10 +152,30 @@ def test_float_dtype_mixed_computes_in_bfloat16_like_eager_autocast():
     y_mixed, y_full = mixed({"x": x})["y"], full({"x": x})["y"]
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         reference = model(x)
-    assert y_mixed.dtype == reference.dtype == torch.bfloat16
-    torch.testing.assert_close(y_mixed, reference, rtol=0, atol=0)  # the same ops, same casts
-    assert not torch.equal(y_mixed.float(), y_full)  # really reduced precision ...
-    torch.testing.assert_close(y_mixed.float(), y_full, rtol=0.05, atol=0.05)  # ... yet close
+    assert reference.dtype == torch.bfloat16
+    # MLSDK's mixed precision is internal: outputs keep the host tensors' dtype (float32),
+    # holding autocast's bfloat16 result exactly
+    assert y_mixed.dtype == y_full.dtype == torch.float32
+    torch.testing.assert_close(y_mixed, reference.float(), rtol=0, atol=0)
+    assert not torch.equal(y_mixed, y_full)  # really reduced precision ...
+    torch.testing.assert_close(y_mixed, y_full, rtol=0.05, atol=0.05)  # ... yet close
+    assert mixed.output_specs["y"] == full.output_specs["y"]
+
+
+def test_float_dtype_mixed_keeps_outputs_the_host_tensors_already_hold_in_bfloat16():
+    """Host tensors in bfloat16 (a bfloat16 model): outputs stay bfloat16, as in "float"."""
+    context = _context()
+    model = nn.Linear(8, 4).to(torch.bfloat16)
+    _register(context, model)
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    compiled = context.compile(
+        lambda inp: {"y": model(inp["x"]), "n": inp["x"].sum().long()},
+        {"x": x},
+        options={"option_json": "O0", "float_dtype": "mixed"},
+    )
+    out = compiled({"x": x})
+    assert out["y"].dtype == torch.bfloat16 and out["n"].dtype == torch.int64
+    torch.testing.assert_close(out["y"], model(x).detach(), rtol=0, atol=0)
 
 
 def test_io_spec_constraints_and_is_memcopyable_to():
@@ -488,3 +508,43 @@ def test_float_dtype_mixed_trains_like_eager_autocast():
     torch.testing.assert_close(torch.stack(losses), torch.stack(expected), rtol=1e-6, atol=1e-6)
     for got, want in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+# --- Context.invalidate ---------------------------------------------------------------------
+
+
+def test_invalidate_releases_a_stage_and_the_next_context_starts_afresh():
+    """PFN's pipeline scripts compile one stage per Context, copy its outputs to the host,
+    invalidate it, and build the next stage in a new Context."""
+    from mncore_device import ContextInvalidatedError
+
+    model = _mlp()
+    x = _batch()["x"]
+    context = _context()
+    context.registry.register("model", model)
+    compiled = context.compile(lambda inp: {"y": model(inp["x"])}, {"x": x}, options={})
+    host = {k: v.cpu() for k, v in compiled({"x": x}).items()}
+    proxy = context.get_registered_value_proxy(model[0].weight)
+
+    context.invalidate()
+    context.invalidate()  # twice: nothing more happens
+    assert context.invalidated and context.registered_names == []
+    torch.testing.assert_close(host["y"], model(x).detach(), rtol=0, atol=0)  # host copies stay
+    with pytest.raises(ContextInvalidatedError, match="compiled function.*invalidated"):
+        compiled({"x": x})
+    for use in (
+        lambda: context.compile(lambda inp: {"y": inp["x"]}, {"x": x}),
+        context.synchronize,
+        lambda: context.register_param(model[0].weight),
+        lambda: Context.switch_context(context),
+        proxy.cpu,
+    ):
+        with pytest.raises(ContextInvalidatedError, match="invalidate"):
+            use()
+    with pytest.raises(RuntimeError, match="no current Context"):
+        Context.get_current_context()
+
+    following = _context()  # the same tensors register again in a new context
+    following.registry.register("model", model)
+    again = following.compile(lambda inp: {"y": model(inp["x"]) * 2}, {"x": x}, options={})
+    torch.testing.assert_close(again({"x": x})["y"], model(x).detach() * 2, rtol=0, atol=0)

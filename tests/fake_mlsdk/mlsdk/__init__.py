@@ -520,6 +520,11 @@ class _ContextBase:
         record_event("Context.load_codegen_dir", path=str(path))
         return CompiledFunction(self, self._emulator.load_codegen_dir(Path(os.fspath(path))))
 
+    def invalidate(self) -> None:
+        """fake: frees the device memory; the context and its functions are unusable after."""
+        record_event("Context.invalidate")
+        self._emulator.invalidate()
+
     # test hook
 
     def _device_value(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,1 @@
+"""`mlsdk.experimental` on the emulated device (see `mlsdk`)."""
