@@ -81,6 +81,7 @@ def test_stand_in_without_mlsdk_and_the_real_mlsdk_wherever_it_is(tmp_path):
     prefix = tmp_path / "prefix"
     install = subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation"]
+        + ["--ignore-installed"]  # else pip uninstalls the running environment's own install
         + ["--no-index", "--prefix", str(prefix), "-e", str(ROOT)],
         capture_output=True,
         text=True,
