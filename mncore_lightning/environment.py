@@ -31,11 +31,11 @@ from . import device_selection
 from .device_selection import DEVICE_ENV, PRESET_ENV, resolve_device, resolve_preset
 
 EXAMPLE_COMMANDS = (
-    ("examples/mnist.py", "the MN-Core MNIST tutorial (about 40 s on 2 cores)"),
+    ("examples/mnist.py", "the MN-Core MNIST tutorial (~40 s, 2 cores)"),
     ("examples/mnist.py --accelerator cpu", "the same on Lightning's cpu accelerator"),
     ("examples/mnist_cnn.py --resume", "a CNN; checkpoints, resume"),
     ("examples/autoencoder.py", "DataModule, reload, ONNX/TorchScript export"),
-    ("examples/mlsdk_mnist.py", "the tutorial on the device layer, no Lightning"),
+    ("examples/mlsdk_mnist.py", "the tutorial on the device layer alone"),
 )
 
 
@@ -176,7 +176,8 @@ def report(width: int = 100) -> str:
     if examples.is_dir():
         python = _python_command()
         lines.append(f"Examples (in {examples}; --help lists their options):")
-        lines += [f"  {python} {command:<36} # {what}" for command, what in EXAMPLE_COMMANDS]
+        pad = max(len(command) for command, _ in EXAMPLE_COMMANDS)
+        lines += [f"  {python} {command:<{pad}} # {what}" for command, what in EXAMPLE_COMMANDS]
     else:
         lines.append("Examples: examples/ in the repository (not installed with the package).")
     return "\n".join(lines)

@@ -82,6 +82,7 @@ def conform_input(key: str, spec: TensorSpec, value: torch.Tensor) -> torch.Tens
     """`value` as an input of `spec`: itself, or reshaped where the two shapes differ only in
     dimensions of size 1 (a 0-d timestep for a compiled [1], a [4] for a [4, 1]), which
     holds the same numbers in the same order. Anything else raises `check_input`'s error."""
+    check_real(key, value)
     if tuple(value.shape) == spec.shape and value.dtype == spec.dtype:
         return value
     if value.dtype == spec.dtype and _squeezed(value.shape) == _squeezed(spec.shape):
