@@ -9,9 +9,12 @@ optimizer state, captured constants) and then the step's inputs, in the order of
 
 from __future__ import annotations
 
+import contextlib
 import operator
+import os
+import sys
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -208,37 +211,45 @@ def activation_peak(gm: fx.GraphModule) -> ActivationEstimate:
     return ActivationEstimate(peak, peak_node, total)
 
 
-class _LiveBytes(fx.Interpreter):
-    """The FX interpreter the emulator's O0 preset runs a graph with, freeing each value
-    after its last use as it does, and counting after every op the bytes of the distinct
-    storages it holds that are not the graph's inputs."""
-
-    def __init__(self, gm: fx.GraphModule, inputs: Sequence[torch.Tensor]) -> None:
-        super().__init__(gm, garbage_collect_values=True)
-        self.inputs = {t.untyped_storage().data_ptr() for t in inputs}
-        self.peak = 0
-
-    def run_node(self, node: fx.Node) -> object:
-        result = super().run_node(node)
-        storages: dict[int, int] = {}
-        for value in [*self.env.values(), result]:
-            for leaf in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(leaf, torch.Tensor):
-                    storage = leaf.untyped_storage()
-                    storages[storage.data_ptr()] = storage.nbytes()
-        live = sum(n for ptr, n in storages.items() if ptr not in self.inputs)
-        self.peak = max(self.peak, live)
-        return result
-
-
 def measured_peak(gm: fx.GraphModule, args: Sequence[torch.Tensor]) -> int:
-    """Run the graph once on real tensors, op by op as the emulator's O0 executor does, and
-    return the most bytes of intermediate and output tensors held at once (real storages:
-    views and in-place updates cost what they really cost)."""
-    interpreter = _LiveBytes(gm, args)
-    with torch.no_grad():
-        interpreter.run(*args)
-    return interpreter.peak
+    """Run the graph once on real tensors as the emulator's O0 executor does (its generated
+    code, op by op, each value dropped after its last use) and return the most bytes the
+    CPU allocator held at once above what it held before the call, from PyTorch's memory
+    profiler: the allocations net of the frees of each top-level op, in order. (An op's
+    own temporary workspace, freed before it returns, is not seen.)"""
+    from torch.profiler import ProfilerActivity, profile
+
+    with (
+        _native_stderr_silenced(),
+        torch.no_grad(),
+        profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof,
+    ):
+        outputs = gm(*args)
+    del outputs
+    events = sorted(
+        (e for e in prof.events() if e.cpu_parent is None), key=lambda e: e.time_range.start
+    )
+    live = peak = 0
+    for event in events:
+        live += event.cpu_memory_usage
+        peak = max(peak, live)
+    return peak
+
+
+@contextlib.contextmanager
+def _native_stderr_silenced() -> Iterator[None]:
+    """The profiler's C++ library logs its start and stop (and, without a GPU, an error it
+    recovers from) straight to file descriptor 2: not the report's business."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def placeholder_specs(specs: Mapping) -> list[tuple[tuple[int, ...], torch.dtype]]:
