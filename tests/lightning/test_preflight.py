@@ -407,3 +407,69 @@ def test_the_command_line_on_the_mnist_example(tmp_path) -> None:
     assert train["op_counts"]["matmul"] == 5 and train["replayed"] == ["self.log('train_loss')"]
     data = {d["stage"]: d for d in report["data"]}
     assert data["train"]["dropped_per_epoch"] == 4000 % 32 and data["train"]["batch_size"] == 32
+
+
+def test_predict_and_several_steps_per_call() -> None:
+    report = run_preflight(
+        Plain(), {"train": loader(64, 16), "predict": loader(32, 16)}, steps_per_call=2
+    )
+    train, predict = report.hooks
+    assert train.device_calls_per_step == 0.5 and train.compiles
+    # a call of two steps takes the two batches: the graph's inputs are both
+    assert train.batch_shapes["batch[0][0]"] == [[16, IN_FEATURES], "float32"]
+    assert train.batch_shapes["batch[1][0]"] == [[16, IN_FEATURES], "float32"]
+    assert predict.hook == "predict_step" and predict.device_calls_per_step == 1
+    assert predict.replayed == [] and predict.op_counts["matmul"] == 2
+
+
+MODULE_FILE = """
+import torch
+import lightning as L
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class Branches(L.LightningModule):
+    def __init__(self, width=4):
+        super().__init__()
+        self.layer = torch.nn.Linear(3, width)
+        self.batch_size = 8
+
+    def training_step(self, batch, batch_idx):
+        loss = self.layer(batch[0]).pow(2).mean()
+        if loss.item() > 0:
+            loss = loss * 2
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.randn(20, 3)), batch_size=self.batch_size)
+"""
+
+
+def test_the_command_line_fails_on_a_graph_break_naming_the_line(tmp_path, capsys) -> None:
+    from mncore_lightning.preflight.__main__ import main
+
+    (tmp_path / "branches.py").write_text(MODULE_FILE)
+    out = tmp_path / "r.json"
+    argv = [f"{tmp_path / 'branches.py'}:Branches", "--init-args", '{"width": 5}']
+    argv += ["--batch-size", "4", "--no-rich", "--json", str(out), "--fail-on", "graph_break"]
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    assert "**training_step does not compile** at" in captured.out
+    assert "branches.py:15" in captured.err and ".item()" in captured.err  # `if loss.item()`
+    report = json.loads(out.read_text())
+    (hook,) = report["hooks"]
+    assert hook["compiles"] is False and hook["graph_breaks"][0]["line"].endswith("branches.py:15")
+    assert report["data"] == [
+        {
+            "stage": "train",
+            "batch_size": 4,
+            "batches": 5,
+            "samples": 20,
+            "drop_last": True,
+            "dropped_per_epoch": 0,
+            "ragged_last_batch": None,
+        }
+    ]
