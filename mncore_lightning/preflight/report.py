@@ -72,6 +72,7 @@ class HookReport:
     memory: Memory | None = None
     seconds: dict[str, float] = field(default_factory=dict)  # trace + compile, by preset
     retraces: list[str] = field(default_factory=list)  # observed in the preflight
+    error: GraphBreak | None = None  # the run failed otherwise (not a refusal of the capture)
 
 
 @dataclass
@@ -117,6 +118,11 @@ class PreflightReport:
         found = []
         if "graph_break" in fail_on:
             found += [f"{h.hook}: {b.reason} (at {b.line})" for h, b in self.graph_breaks()]
+            found += [
+                f"{h.hook} failed: {h.error.reason} (at {h.error.line})"
+                for h in self.hooks
+                if h.error
+            ]
         if "retrace" in fail_on:
             found += self.retrace_risks()
         if "memory" in fail_on:
@@ -155,6 +161,8 @@ class PreflightReport:
         for hook in self.hooks:
             for b in hook.graph_breaks:
                 lines.append(f"- **{hook.hook} does not compile** at {b.line}: {b.reason}")
+            if hook.error is not None:
+                lines.append(f"- **{hook.hook} failed** at {hook.error.line}: {hook.error.reason}")
         for risk in self.retrace_risks():
             lines.append(f"- re-trace: {risk}")
         if self.data:
@@ -188,7 +196,16 @@ class PreflightReport:
 
         presets = sorted({p for h in hooks for p in h.seconds})
         rows = [
-            row("compiles", lambda h: "yes" if h.compiles else "**no: graph break**"),
+            row(
+                "compiles",
+                lambda h: (
+                    "yes"
+                    if h.compiles
+                    else "**no: graph break**"
+                    if h.graph_breaks
+                    else "**no: error**"
+                ),
+            ),
             row("device calls per step", lambda h: f"{h.device_calls_per_step:g}"),
             row("graphs compiled", lambda h: str(h.graphs)),
             row(

@@ -20,6 +20,7 @@ import re
 import tempfile
 import textwrap
 import time
+import traceback
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -32,7 +33,8 @@ import torch
 from lightning.pytorch import LightningModule
 from torch.utils.data import DataLoader
 
-from mncore_device import Context, artifacts
+from mncore_device import Context, StaticGraphError, artifacts
+from mncore_device._source import user_frame_summary
 
 from ..compiled_hooks import BATCH_PREFIX, CompiledHook, _HostCall, _leaf_names, _LogCall
 from ..side_effects import _MetricCall
@@ -70,7 +72,8 @@ class _Compiled:
 @dataclass
 class _Record:
     compiled: list[_Compiled] = field(default_factory=list)
-    refused: dict[str, tuple[str, str]] = field(default_factory=dict)  # stage -> (hook, msg)
+    # stage -> (hook, error): the capture refused the step (a graph break), or it failed
+    refused: dict[str, tuple[str, BaseException]] = field(default_factory=dict)
     retraces: list[tuple[str, str]] = field(default_factory=list)  # (stage, reason)
 
 
@@ -90,7 +93,7 @@ class _RecordingStrategy(MNCoreStrategy):
         try:
             hook, inputs = super()._compile(hook_name, batch, rest, label, **kw)
         except Exception as error:
-            self._record.refused.setdefault(stage, (hook_name, str(error)))
+            self._record.refused.setdefault(stage, (hook_name, error))
             raise
         seconds = time.perf_counter() - start
         directory = next(p.parent for p in base.rglob("specs.json"))
@@ -253,8 +256,7 @@ def _run(
         try:
             runs[stage]()
         except Exception as error:  # noqa: BLE001 - a refused step is what the report shows
-            if stage not in record.refused:
-                record.refused[stage] = (STAGE_HOOKS[stage], f"{type(error).__name__}: {error}")
+            record.refused.setdefault(stage, (STAGE_HOOKS[stage], error))
     return record, copied, workdir
 
 
@@ -269,13 +271,17 @@ def _hook_report(
     hook_name = STAGE_HOOKS[stage]
     compiled = [c for c in record.compiled if c.stage == stage]
     if stage in record.refused and not compiled:
-        name, message = record.refused[stage]
-        match = _LINE.search(message)
+        name, error = record.refused[stage]
+        message = str(error)
+        if isinstance(error, StaticGraphError):  # the capture refused it: a graph break
+            match = _LINE.search(message)
+            line = match[1] if match else _user_line(error)
+            return HookReport(stage, name, compiles=False, graph_breaks=[GraphBreak(line, message)])
         return HookReport(
             stage,
             name,
             compiles=False,
-            graph_breaks=[GraphBreak(match[1] if match else None, message)],
+            error=GraphBreak(_user_line(error), f"{type(error).__name__}: {message}"),
         )
     if not compiled:
         return None
@@ -344,6 +350,12 @@ def _hook_report(
     )
 
 
+def _user_line(error: BaseException) -> str | None:
+    """The innermost frame of the error's traceback in the user's code (not in a library)."""
+    frame = user_frame_summary(traceback.extract_tb(error.__traceback__))
+    return None if frame is None else f"{frame.filename}:{frame.lineno}"
+
+
 def _sample(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Values to measure a graph with; its own generator leaves the global RNG alone."""
     if dtype.is_floating_point:
@@ -360,13 +372,30 @@ def _guarded(hook: CompiledHook, module: LightningModule) -> list[GuardedValue]:
     found = []
     for key, (_, _, value) in sorted(hook.python_values.guarded.items()):
         name = key.removeprefix("self.")
-        found.append(GuardedValue(key, value, writers.get(name.split("[")[0], [])))
+        found.append(GuardedValue(key, value, writers.get(name, [])))
     return found
 
 
+# hooks that run before the first step is traced: what they assign is traced for, not changed
+_BEFORE_FIRST_STEP = frozenset(
+    {
+        "__init__",
+        "setup",
+        "prepare_data",
+        "configure_model",
+        "configure_sharded_model",
+        "configure_optimizers",
+        "configure_callbacks",
+        "on_fit_start",
+        "on_train_start",
+    }
+)
+
+
 def _attribute_writers(cls: type) -> dict[str, list[str]]:
-    """`{attribute: [methods]}`: the methods of the user's classes (not __init__, not
-    Lightning's) that assign `self.<attribute>`."""
+    """`{"scale": [methods], "temperature.value": [...], "hparams.lr": [...]}`: the
+    methods of the user's classes (not Lightning's, not those that run before the first
+    step) that assign `self.<path>`."""
     writers: dict[str, list[str]] = {}
     for klass in cls.__mro__:
         if klass.__module__.split(".")[0] in (
@@ -377,7 +406,7 @@ def _attribute_writers(cls: type) -> dict[str, list[str]]:
         ):
             continue
         for name, function in vars(klass).items():
-            if name == "__init__" or not inspect.isfunction(function):
+            if name in _BEFORE_FIRST_STEP or not inspect.isfunction(function):
                 continue
             try:
                 tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
@@ -390,15 +419,28 @@ def _attribute_writers(cls: type) -> dict[str, list[str]]:
                 elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
                     targets = [node.target]
                 for target in targets:
-                    if (
-                        isinstance(target, ast.Attribute)
-                        and isinstance(target.value, ast.Name)
-                        and target.value.id == "self"
-                    ):
-                        methods = writers.setdefault(target.attr, [])
-                        if name not in methods:
-                            methods.append(name)
+                    path = _self_path(target)
+                    if path is not None and name not in writers.setdefault(path, []):
+                        writers[path].append(name)
     return writers
+
+
+def _self_path(target: ast.expr) -> str | None:
+    """`self.a.b = ...` -> "a.b"; `self.net[2].p` -> "net.2.p" (a submodule's name);
+    `self.d["k"] = ...` -> "d['k']"; else None."""
+    parts = []
+    while True:
+        if isinstance(target, ast.Attribute):
+            parts.append(f".{target.attr}")
+        elif isinstance(target, ast.Subscript) and isinstance(target.slice, ast.Constant):
+            key = target.slice.value
+            parts.append(f".{key}" if isinstance(key, int) else f"[{key!r}]")
+        else:
+            break
+        target = target.value
+    if not parts or not (isinstance(target, ast.Name) and target.id == "self"):
+        return None
+    return "".join(reversed(parts)).removeprefix(".")
 
 
 def _live_inputs(hook: CompiledHook, specs: Mapping, trainer: L.Trainer) -> list[str]:

@@ -5,6 +5,7 @@ line. Each report compiles one batch per stage at O0 on tiny models."""
 from __future__ import annotations
 
 import inspect
+import io
 import json
 import os
 import subprocess
@@ -115,6 +116,11 @@ def test_the_report_of_a_module_that_compiles_field_by_field() -> None:
     assert data["hooks"][0]["memory"]["parameter_bytes"] == params
     text = report.to_markdown()
     assert "| compiles | yes | yes | yes |" in text and "trace + compile, O0" in text
+    plain, styled = io.StringIO(), io.StringIO()
+    report.print(file=plain)  # not a terminal: the Markdown as it is
+    report.print(file=styled, rich=True)  # a terminal: rich draws the tables
+    assert plain.getvalue() == text
+    assert "───" in styled.getvalue() and "| compiles |" not in styled.getvalue()
 
 
 # --- a graph break ---------------------------------------------------------------------------
@@ -166,6 +172,55 @@ def test_a_value_a_hook_changes_is_flagged_and_the_retrace_observed() -> None:
     assert train.graphs == 2  # the second epoch traced it again
     risks = report.failures(("retrace",))
     assert len(risks) == 2 and any("on_train_epoch_start assigns" in r for r in risks)
+
+
+class Annealed(LitClassifier):
+    """A submodule's float that a later epoch hook changes, and one that setup fixes."""
+
+    def __init__(self) -> None:
+        super().__init__(dropout=0.1)
+        self.width = 0
+
+    def setup(self, stage: str) -> None:
+        self.width = 16  # before the first step: traced for, never changed after
+
+    def on_train_epoch_end(self) -> None:
+        if self.current_epoch == 5:
+            self.net[2].p = 0.0
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y) * (self.width / 16)
+
+
+def test_values_written_later_are_flagged_from_the_source_and_setup_is_not() -> None:
+    report = run_preflight(Annealed(), {"train": loader()})
+    train = _hook(report, "training_step")
+    guarded = {g.name: g for g in train.guarded}
+    assert guarded["self.net.2.p"].value == 0.1
+    assert guarded["self.net.2.p"].written_by == ["on_train_epoch_end"]
+    assert guarded["self.width"].value == 16 and guarded["self.width"].written_by == []
+    assert train.retraces == [] and train.graphs == 1  # epoch 5 is not reached
+    (risk,) = report.failures(("retrace",))
+    assert "self.net.2.p=0.1, which on_train_epoch_end assigns" in risk
+
+
+class Crashing(LitClassifier):
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        return self.net(x[:, :3])  # a shape error: not a graph break
+
+
+def test_an_error_that_is_no_graph_break_is_reported_as_an_error_at_the_line() -> None:
+    report = run_preflight(Crashing(), {"train": loader(), "validate": loader()})
+    assert _hook(report, "training_step").compiles
+    val = _hook(report, "validation_step")
+    assert not val.compiles and val.graph_breaks == [] and "RuntimeError" in val.error.reason
+    assert val.error.line.endswith(_line_of(Crashing, "x[:, :3]"))
+    assert report.failures(("graph_break",)) == [
+        f"validation_step failed: {val.error.reason} (at {val.error.line})"
+    ]
+    assert "| compiles | yes | **no: error** |" in report.to_markdown()
 
 
 def test_the_callback_stops_the_fit_on_a_retrace_before_any_step() -> None:
