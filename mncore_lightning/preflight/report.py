@@ -86,6 +86,7 @@ class DataReport:
     drop_last: bool
     dropped_per_epoch: int = 0  # samples a training epoch skips (static shapes)
     ragged_last_batch: int | None = None  # an evaluation's smaller last batch: a 2nd graph
+    device_calls: int | None = None  # per epoch: one per batch, or per K with steps_per_call
 
 
 @dataclass
@@ -172,6 +173,7 @@ class PreflightReport:
                     d.stage,
                     str(d.batch_size),
                     str(d.batches),
+                    str(d.device_calls),
                     str(d.samples),
                     f"{d.dropped_per_epoch} samples" if d.drop_last else "no",
                     (
@@ -182,7 +184,8 @@ class PreflightReport:
                 ]
                 for d in self.data
             ]
-            head = ["stage", "batch size", "batches", "samples", "drop_last drops", "ragged last"]
+            head = ["stage", "batch size", "batches", "device calls", "samples"]
+            head += ["drop_last drops", "ragged last"]
             lines += _table(head, rows)
         if self.notes:
             lines += ["", "## Notes", "", *(f"- {n}" for n in self.notes)]

@@ -196,7 +196,7 @@ def run_preflight(
         "bytes": board_memory_bytes,
         "source": "given" if board_memory_bytes else BOARD_MEMORY_SOURCE,
     }
-    data = [_data_report(stage, dataloaders[stage]) for stage in stages]
+    data = [_data_report(stage, dataloaders[stage], steps_per_call) for stage in stages]
     return PreflightReport(
         module=type(module).__qualname__,
         device="pfvm:cpu (emulated MN-Core 2)",
@@ -483,7 +483,7 @@ def _replayed(hook: CompiledHook) -> list[str]:
     return found
 
 
-def _data_report(stage: str, loader: DataLoader) -> DataReport:
+def _data_report(stage: str, loader: DataLoader, steps_per_call: int = 1) -> DataReport:
     batch_size = getattr(loader, "batch_size", None)
     drop_last = bool(getattr(loader, "drop_last", False)) or stage == "train"
     try:
@@ -499,4 +499,7 @@ def _data_report(stage: str, loader: DataLoader) -> DataReport:
             dropped = rest
         elif rest:
             ragged = rest
-    return DataReport(stage, batch_size, batches, samples, drop_last, dropped, ragged)
+    calls = batches
+    if batches is not None and stage == "train":
+        calls = -(-batches // steps_per_call)  # a shorter last group is a call too
+    return DataReport(stage, batch_size, batches, samples, drop_last, dropped, ragged, calls)

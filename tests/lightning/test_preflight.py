@@ -277,8 +277,8 @@ def test_a_ragged_data_set_drop_last_and_the_second_evaluation_graph() -> None:
     assert (data["validate"].batches, data["validate"].ragged_last_batch) == (3, 6)
     assert not data["validate"].drop_last and data["validate"].dropped_per_epoch == 0
     text = report.to_markdown()
-    assert "| train | 32 | 3 | 100 | 4 samples | no |" in text
-    assert "| validate | 32 | 3 | 70 | no | 6 samples: a second graph |" in text
+    assert "| train | 32 | 3 | 3 | 100 | 4 samples | no |" in text
+    assert "| validate | 32 | 3 | 3 | 70 | no | 6 samples: a second graph |" in text
 
 
 # --- memory and op counts against the graph --------------------------------------------------
@@ -475,6 +475,9 @@ def test_predict_and_several_steps_per_call() -> None:
     assert train.batch_shapes["batch[1][0]"] == [[16, IN_FEATURES], "float32"]
     assert predict.hook == "predict_step" and predict.device_calls_per_step == 1
     assert predict.replayed == [] and predict.op_counts["matmul"] == 2
+    data = {d.stage: d for d in report.data}
+    assert (data["train"].batches, data["train"].device_calls) == (4, 2)
+    assert (data["predict"].batches, data["predict"].device_calls) == (2, 2)
 
 
 MODULE_FILE = """
@@ -526,5 +529,6 @@ def test_the_command_line_fails_on_a_graph_break_naming_the_line(tmp_path, capsy
             "drop_last": True,
             "dropped_per_epoch": 0,
             "ragged_last_batch": None,
+            "device_calls": 5,
         }
     ]
