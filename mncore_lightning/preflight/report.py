@@ -195,7 +195,8 @@ class PreflightReport:
         hooks = self.hooks
 
         def row(name: str, cell) -> list[str]:
-            return [name, *(cell(h) if h.compiles or name == "compiles" else "-" for h in hooks)]
+            shown = [h.memory is not None or name == "compiles" for h in hooks]
+            return [name, *(cell(h) if show else "-" for h, show in zip(hooks, shown, strict=True))]
 
         presets = sorted({p for h in hooks for p in h.seconds})
         rows = [

@@ -17,6 +17,7 @@ import inspect
 import logging
 import random
 import re
+import shutil
 import tempfile
 import textwrap
 import time
@@ -160,7 +161,7 @@ def run_preflight(
         raise ValueError("preflight needs at least one preset (O0 is the fast one)")
     stages = [s for s in STAGE_HOOKS if dataloaders.get(s) is not None]
     notes: list[str] = []
-    runs: dict[str, tuple[_Record, LightningModule, L.Trainer, Path]] = {}
+    runs: dict[str, tuple[_Record, LightningModule]] = {}
     workdirs = []
     try:
         for preset in presets:
@@ -172,24 +173,20 @@ def run_preflight(
                 warnings.catch_warnings(record=True) as seen,
             ):
                 warnings.simplefilter("always")
-                runs[preset] = (
-                    *_run(module, dataloaders, stages, preset, workdir, steps_per_call),
-                )
+                runs[preset] = _run(module, dataloaders, stages, preset, workdir, steps_per_call)
             if preset == presets[0]:
                 for w in seen:
                     text = str(w.message).split("\n")[0]
                     if "mncore" in str(w.filename) or "MNCore" in text or "compiled" in text:
                         if text not in notes:
                             notes.append(text)
-        record, copied, _ = runs[presets[0]]
+        record, copied = runs[presets[0]]
         hooks = [
             _hook_report(stage, record, copied, runs, board_memory_bytes, measure)
             for stage in stages
         ]
         hooks = [h for h in hooks if h is not None]
     finally:
-        import shutil
-
         for workdir in workdirs:
             shutil.rmtree(workdir, ignore_errors=True)
     board = {
@@ -214,7 +211,9 @@ def _run(
     preset: str,
     workdir: Path,
     steps_per_call: int,
-) -> tuple[_Record, LightningModule, Path]:
+) -> tuple[_Record, LightningModule]:
+    """Fit (one batch, two epochs, validating), test and predict a copy of `module` with the
+    recording strategy; a stage whose step fails is recorded and the next one runs."""
     record = _Record()
     copied = copy_module(module)
 
@@ -256,8 +255,11 @@ def _run(
         try:
             runs[stage]()
         except Exception as error:  # noqa: BLE001 - a refused step is what the report shows
-            record.refused.setdefault(stage, (STAGE_HOOKS[stage], error))
-    return record, copied, workdir
+            seen = [e for _, e in record.refused.values()]
+            if not any(error is e or error.__context__ is e for e in seen):
+                # not from a compile (the strategy recorded those, by their stage)
+                record.refused.setdefault(stage, (STAGE_HOOKS[stage], error))
+    return record, copied
 
 
 def _hook_report(
@@ -270,19 +272,10 @@ def _hook_report(
 ) -> HookReport | None:
     hook_name = STAGE_HOOKS[stage]
     compiled = [c for c in record.compiled if c.stage == stage]
+    breaks, error = _failure(record.refused.get(stage, (None, None))[1])
     if stage in record.refused and not compiled:
-        name, error = record.refused[stage]
-        message = str(error)
-        if isinstance(error, StaticGraphError):  # the capture refused it: a graph break
-            match = _LINE.search(message)
-            line = match[1] if match else _user_line(error)
-            return HookReport(stage, name, compiles=False, graph_breaks=[GraphBreak(line, message)])
-        return HookReport(
-            stage,
-            name,
-            compiles=False,
-            error=GraphBreak(_user_line(error), f"{type(error).__name__}: {message}"),
-        )
+        name = record.refused[stage][0]
+        return HookReport(stage, name, compiles=False, graph_breaks=breaks, error=error)
     if not compiled:
         return None
     first = compiled[0]
@@ -335,7 +328,7 @@ def _hook_report(
     return HookReport(
         stage,
         hook_name,
-        compiles=True,
+        compiles=not breaks and error is None,  # every batch of the preflight compiled
         device_calls_per_step=1.0 / trainer.strategy.steps_per_call if stage == "train" else 1.0,
         graphs=len(compiled),
         batch_shapes=batch_shapes,
@@ -347,7 +340,21 @@ def _hook_report(
         memory=memory,
         seconds=seconds,
         retraces=[reason for s, reason in record.retraces if s == stage],
+        error=error,  # a later batch failed (a re-trace the capture refused, say)
+        graph_breaks=breaks,
     )
+
+
+def _failure(error: BaseException | None) -> tuple[list[GraphBreak], GraphBreak | None]:
+    """A refusal of the capture is a graph break (at the line its message names); any other
+    failure is an error, at the innermost user frame of its traceback."""
+    if error is None:
+        return [], None
+    message = str(error)
+    if isinstance(error, StaticGraphError):
+        match = _LINE.search(message)
+        return [GraphBreak(match[1] if match else _user_line(error), message)], None
+    return [], GraphBreak(_user_line(error), f"{type(error).__name__}: {message}")
 
 
 def _user_line(error: BaseException) -> str | None:

@@ -532,3 +532,32 @@ def test_the_command_line_fails_on_a_graph_break_naming_the_line(tmp_path, capsy
             "device_calls": 5,
         }
     ]
+
+
+class BranchesLater(LitClassifier):
+    """Compiles at first; at the second epoch a hook sets a value the step branches on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clip = False
+
+    def on_train_epoch_start(self) -> None:
+        self.clip = self.current_epoch > 0
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        if self.clip and loss > 1:  # read only once clip is set: refused then
+            loss = loss.clamp(max=1)
+        return loss
+
+
+def test_a_step_that_breaks_only_when_retraced_is_reported_with_its_first_graph() -> None:
+    report = run_preflight(BranchesLater(), {"train": loader()})
+    train = _hook(report, "training_step")
+    assert not train.compiles and train.graphs == 1 and train.memory is not None
+    assert train.retraces == ["training_step: self.clip changed False -> True"]
+    (brk,) = train.graph_breaks
+    assert brk.line.endswith(_line_of(BranchesLater, "if self.clip and loss > 1"))
+    text = report.to_markdown()
+    assert "| compiles | **no: graph break** |" in text and "| graphs compiled | 1 |" in text
