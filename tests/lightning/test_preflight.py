@@ -384,7 +384,7 @@ cli = LightningCLI(
 preflight = [c for c in cli.trainer.callbacks if type(c).__name__ == "MNCorePreflight"]
 assert len(preflight) == 1, cli.trainer.callbacks
 cli.trainer.fit(cli.model, cli.datamodule)
-print("hooks:", [h.hook for h in preflight[0].report.hooks])
+print("hooks:", [h.hook for h in preflight[0].report.hooks], preflight[0].fail_on)
 """
 
 
@@ -420,6 +420,7 @@ def test_lightning_cli_resolves_the_callback(tmp_path) -> None:
             CLI_SCRIPT,
             "--trainer.callbacks+=mncore_lightning.MNCorePreflight",
             "--trainer.callbacks.print_report=false",
+            "--trainer.callbacks.fail_on=[graph_break, retrace]",
             "--trainer.accelerator=cpu",
             "--trainer.max_epochs=1",
             "--trainer.logger=false",
@@ -429,7 +430,7 @@ def test_lightning_cli_resolves_the_callback(tmp_path) -> None:
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "hooks: ['training_step']" in result.stdout
+    assert "hooks: ['training_step'] ('graph_break', 'retrace')" in result.stdout
 
 
 def test_the_command_line_on_the_mnist_example(tmp_path) -> None:
