@@ -128,7 +128,7 @@ class PreflightReport:
             found += self.retrace_risks()
         if "memory" in fail_on:
             found += [
-                f"{h.hook}: peak {_size(h.memory.peak_bytes)} > board {_size(h.memory.board_bytes)}"
+                f"{h.hook}: peak {h.memory.peak_bytes:,} bytes > board {h.memory.board_bytes:,} bytes"
                 for h in self.hooks
                 if h.memory is not None and h.memory.fits is False
             ]

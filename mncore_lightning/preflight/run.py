@@ -49,7 +49,8 @@ from .report import DataReport, GraphBreak, GuardedValue, HookReport, Memory, Pr
 BOARD_MEMORY_SOURCE = (
     "no public figure found: MLSDK's hardware specification "
     "(https://dev.mn-core.com/sdk/0.5/MLSDK/docs/en/hardware_specification.html) describes one "
-    "DRAM per Group, 4 Groups per board, without a capacity; pass board_memory_bytes"
+    "DRAM per Group, 4 Groups per board, without a capacity; pass board_memory_bytes= "
+    "(--board-memory-gib)"
 )
 STAGE_HOOKS = {
     "train": "training_step",

@@ -121,6 +121,13 @@ def test_the_report_of_a_module_that_compiles_field_by_field() -> None:
     report.print(file=styled, rich=True)  # a terminal: rich draws the tables
     assert plain.getvalue() == text
     assert "───" in styled.getvalue() and "| compiles |" not in styled.getvalue()
+    assert report.failures(("graph_break", "retrace", "memory")) == []
+    train.memory.board_bytes = train.memory.peak_bytes - 1  # a board one byte too small
+    assert train.memory.fits is False
+    assert report.failures(("memory",)) == [
+        f"training_step: peak {train.memory.peak_bytes:,} bytes > board "
+        f"{train.memory.peak_bytes - 1:,} bytes"
+    ]
 
 
 # --- a graph break ---------------------------------------------------------------------------
