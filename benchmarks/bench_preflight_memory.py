@@ -1,7 +1,7 @@
 """How close the preflight's device-memory estimate is to what the emulator measures.
 
-For the MN-Core tutorial's MLP (examples/mnist.py), the CNN of examples/mnist_cnn.py and
-torchvision's ResNet-18 (10 classes, 3x32x32 inputs), runs the preflight on a training batch
+For the MN-Core tutorial's MLP (examples/mnist.py), the CNN of examples/mnist_cnn.py, the
+autoencoder of examples/autoencoder.py and torchvision's ResNet-18 (10 classes, 3x32x32 inputs), runs the preflight on a training batch
 and compares the activation peak estimated from the graph's shapes alone (a liveness walk)
 with the peak the emulator measures running the same graph op by op at O0 (the bytes of the
 distinct tensor storages it holds at once). Parameters, buffers, optimizer state and the
@@ -28,6 +28,7 @@ def models(batch_size: int):
     import lightning as L
     import torch
     import torch.nn.functional as F
+    from autoencoder import LitAutoEncoder
     from mnist import MNISTClassifier
     from mnist_cnn import MNISTConvNet
     from torch.utils.data import DataLoader, TensorDataset
@@ -54,6 +55,7 @@ def models(batch_size: int):
 
     yield "tutorial MLP (examples/mnist.py)", MNISTClassifier(), data((1, 32, 32))
     yield "CNN (examples/mnist_cnn.py)", MNISTConvNet(), data((1, 28, 28))
+    yield "autoencoder (examples/autoencoder.py)", LitAutoEncoder(), data((1, 28, 28))
     yield "ResNet-18 (torchvision)", ResNet18(), data((3, 32, 32))
 
 

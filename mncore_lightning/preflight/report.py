@@ -266,7 +266,7 @@ class PreflightReport:
 def _guarded(hook: HookReport) -> str:
     if not hook.guarded:
         return "none"
-    shown = sorted(hook.guarded, key=lambda g: not g.written_by)[:4]
+    shown = sorted(hook.guarded, key=_likely_to_change)[:4]
     text = ", ".join(
         f"{g.name}={g.value!r}"
         + (f" (written by {', '.join(g.written_by)})" if g.written_by else "")
@@ -274,6 +274,19 @@ def _guarded(hook: HookReport) -> str:
     )
     more = len(hook.guarded) - len(shown)
     return f"{len(hook.guarded)}: {text}" + (f", {more} more" if more else "")
+
+
+def _likely_to_change(value: GuardedValue) -> tuple[int, int]:
+    """Values a method assigns first; then the module's own and its hparams; then submodules'
+    floats (a dropout's p); then the structure (sizes, flags) that seldom changes."""
+    name = value.name.removeprefix("self.")
+    if "." not in name.split("[")[0] or name.startswith("hparams."):
+        kind = 0
+    elif type(value.value) is float:
+        kind = 1
+    else:
+        kind = 2
+    return (not value.written_by, kind)
 
 
 def _peak(memory: Memory) -> str:
