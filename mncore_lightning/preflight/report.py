@@ -37,7 +37,8 @@ class GuardedValue:
 
 @dataclass
 class Memory:
-    """Device memory in bytes; `peak_bytes` = resident state + batch + activation peak."""
+    """Device memory in bytes; `peak_bytes` = resident state + batch + activation peak (the
+    larger of the estimated and the measured one)."""
 
     parameter_bytes: int
     buffer_bytes: int

@@ -304,7 +304,9 @@ def _hook_report(
         for t in state.values()
         if isinstance(t, torch.Tensor)
     )
-    peak = params + buffers + optimizer_state + input_bytes + activations.peak_bytes
+    # the larger of the two: a storage the shapes cannot see (mse_loss's) is counted
+    activation_peak = max(activations.peak_bytes, measured or 0)
+    peak = params + buffers + optimizer_state + input_bytes + activation_peak
     memory = Memory(
         params,
         buffers,
