@@ -12,6 +12,7 @@ from .accelerator import MNCoreAccelerator
 from .ddp import MNCoreDDPStrategy
 from .optimizers import MNCoreAdam, MNCoreAdamW, MNCoreSGD
 from .precision import MNCorePrecision
+from .preflight import MNCorePreflight
 from .strategy import MNCoreStrategy
 
 # Errors raised while a step is traced name the user's line, not this package's or Lightning's.
@@ -26,6 +27,7 @@ __all__ = [
     "MNCoreAdam",
     "MNCoreAdamW",
     "MNCoreDDPStrategy",
+    "MNCorePreflight",
     "MNCorePrecision",
     "MNCoreSGD",
     "MNCoreStrategy",
