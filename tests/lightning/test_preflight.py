@@ -190,7 +190,9 @@ def test_the_report_of_the_examples(spec, ops, optimizer_tensors) -> None:
     assert (data["validate"].batches, data["validate"].ragged_last_batch) == (3, 8)
     assert report.notes == [
         "MNCoreStrategy set drop_last=True on the training DataLoader (a compiled step has a "
-        "static batch size of 16): 8 samples per epoch are skipped."
+        "static batch size of 16): 8 samples per epoch are skipped. To train them as cpu "
+        "does, pass MNCoreStrategy(last_batch='compile'): the short last batch then runs as a "
+        "second compiled graph."
     ]
 
 
