@@ -140,11 +140,14 @@ def save(
     prepared: PreparedDir,
     compiled_from: Path | None = None,
     compiled_files: list[str] = (),
+    compiled_entry: str | None = None,
 ) -> None:
     """Write a codegen directory: all of it, or (if interrupted) nothing.
 
     compiled_from / compiled_files: Inductor's cache files for this step (its compiled host
-    code), copied into `compiled/` with their sha256 in specs.json["compiled"]."""
+    code), copied into `compiled/` with their sha256 in specs.json["compiled"].
+    compiled_entry: the one of them a trusted load runs directly, if any
+    (`CompiledCode.runnable_entry`)."""
     specs = dict(prepared.specs)
     path = path.absolute()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -162,11 +165,19 @@ def save(
                 target.write_bytes(data)
                 hashes[name] = _sha256(data)
             specs["compiled"] = {"torch": torch.__version__, "sha256": hashes}
+            if compiled_entry is not None and compiled_entry in hashes:
+                specs["compiled"]["entry"] = compiled_entry
         (staging / SPECS_FILE).write_text(json.dumps(specs, indent=1))
         _replace_dir(staging, path)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def compiled_entry(specs: dict, names: list[str]) -> str | None:
+    """The checked file (one of `names`) that a trusted load runs directly, if any."""
+    entry = specs["compiled"].get("entry")
+    return entry if entry in names else None
 
 
 def compiled_files(path: Path, specs: dict, trust_compiled_code: bool) -> list[str] | None:

@@ -229,6 +229,7 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
                 prepared,
                 compiled_code.cache_dir if compiled_code is not None else None,
                 compiled_code.files() if compiled_code is not None else [],
+                compiled_code.runnable_entry() if compiled_code is not None else None,
             )
         return compiled
 
@@ -253,6 +254,7 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
                 compiled_code = self._compiled_code(specs, preset, None)
                 if names is not None:
                     compiled_code.install(directory / artifacts.COMPILED_DIR, names)
+                    compiled_code.entry = artifacts.compiled_entry(specs, names)
             name = _function_name(None, path)
             return self._finish(
                 traced, slots, specs, preset, None, start, name=name, compiled_code=compiled_code

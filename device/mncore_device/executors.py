@@ -11,7 +11,7 @@ import contextlib
 import os
 import shutil
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -55,10 +55,22 @@ def build_executor(
         return _interpreted(gm)
     if compiled_code is not None:
         cache_dir = compiled_code.cache_dir
+        if compiled_code.entry is not None:
+            try:
+                run = _load_compiled_entry(
+                    gm, preset, example_args, compiled_code, compile_threads, mutated_inputs
+                )
+                return _FirstCallChecked(run, gm, preset, list(mutated_inputs))
+            except Exception:  # noqa: BLE001 (Inductor's own load below finds the same code)
+                pass
+    noting = (
+        compiled_code.noting_the_compiled_graph() if compiled_code else contextlib.nullcontext()
+    )
     try:
-        run = _compile_with_inductor(
-            gm, preset, example_args, cache_dir, compile_threads, list(mutated_inputs)
-        )
+        with noting:
+            run = _compile_with_inductor(
+                gm, preset, example_args, cache_dir, compile_threads, list(mutated_inputs)
+            )
     except Exception as error:  # noqa: BLE001 (any failure of Inductor's: the graph still runs)
         _note_fallback(preset, "compile", error)
         return _interpreted(gm)
@@ -151,6 +163,67 @@ class CompiledCode:
         if remembered.is_file() and not (inductor / FILE_NAME).exists():
             shutil.copy2(remembered, inductor / FILE_NAME)
 
+    entry: str | None = None  # set by a trusted load: see `runnable_entry`
+    _output_code: str | None = None  # Inductor's key of the compiled graph's Python module
+
+    @contextlib.contextmanager
+    def noting_the_compiled_graph(self) -> Iterator[None]:
+        """Notes which output-code module of this directory the compile inside loads: the
+        compiled graph, whose FX graph entry `runnable_entry` names (the directory may hold
+        others, from compiles under other conditions, such as another thread count)."""
+        from torch._inductor.codecache import PyCodeCache
+
+        before = len(PyCodeCache.modules)
+        yield
+        paths = {Path(getattr(m, "__file__", None) or "") for m in PyCodeCache.modules[before:]}
+        mine = {path for path in paths if self.cache_dir in path.parents}
+        self._output_code = mine.pop().stem if len(mine) == 1 else None
+
+    def runnable_entry(self) -> str | None:
+        """The compiled graph's FX graph cache entry (a path relative to the directory) where
+        it is all there is to run: each AOTAutograd entry for it has a runtime wrapper that
+        does nothing (no backward, no input mutation or output aliasing left to it, no
+        subclasses, no tokens), and it has no frozen parameters. A trusted load then runs it
+        directly (`_load_compiled_entry`), without importing Inductor's compiler or looking
+        up its caches. None otherwise, or if the compile loaded no graph of its own (a second
+        compile in one process): the load then goes through `compile_fx`."""
+        import pickle
+
+        if self._output_code is None:
+            return None
+        names = self.files()
+        try:
+            graphs = {
+                name: pickle.loads((self.cache_dir / name).read_bytes())
+                for name in names
+                if name.startswith("inductor/fxgraph/")
+            }
+            (entry,) = [n for n, g in graphs.items() if g.cache_key == self._output_code]
+            fx_key = Path(entry).parent.name
+            results = [
+                pickle.loads((self.cache_dir / name).read_bytes())
+                for name in names
+                if name.startswith("inductor/aotautograd/")
+            ]
+            results = [r for r in results if r.compiled_fw.fx_graph_cache_info[0] == fx_key]
+            trivial = bool(results) and not getattr(graphs[entry], "frozen_param_names", None)
+            for result in results:
+                meta = result.runtime_metadata
+                trivial = trivial and (
+                    result.compiled_bw is None
+                    and result.maybe_subclass_meta is None
+                    and not result.indices_of_inps_to_detach
+                    and not any(w.needs_post_compile for w in result.dispatch_wrappers)
+                    and not meta.mutated_inp_runtime_indices
+                    and meta.num_intermediate_bases == 0
+                    and all(o.output_type.name == "non_alias" for o in meta.output_info)
+                    and not meta.tokens
+                    and not meta.is_rng_op_functionalized
+                )
+        except Exception:  # noqa: BLE001 (another torch's entries: Inductor's own load)
+            return None
+        return entry if trivial else None
+
     def install(self, source: Path, names: Sequence[str]) -> None:
         """Copy the files `names` (relative paths, checked by the caller) from `source`."""
         for name in names:
@@ -188,8 +261,104 @@ def _compile_with_inductor(
     compile_threads: int | None = None,
     mutated_inputs: list[int] | None = None,
 ) -> Executor:
-    from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
+
+    options = _inductor_options(gm, preset, example_args, compile_threads)
+    _scale_before_adding(gm)
+    mutated = mutated_inputs or []
+    in_place = _updating_state_in_place(gm, mutated) if mutated else gm
+    with _inductor_cache_dir(cache_dir), _static_shape_env(example_args) as fake_args:
+        apply_remembered_source_keys()
+        compiled = compile_fx(in_place, fake_args, config_patches=options)
+    if not mutated:
+        return lambda args: compiled(*args)
+
+    def run(args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        outputs = compiled(*args)
+        return [*outputs, *(args[i] for i in mutated)]
+
+    return run
+
+
+def _load_compiled_entry(
+    gm: fx.GraphModule,
+    preset: Preset,
+    example_args: Sequence[torch.Tensor],
+    compiled_code: CompiledCode,
+    compile_threads: int | None,
+    mutated_inputs: Sequence[int],
+) -> Executor:
+    """The step's compiled graph from its FX graph cache entry (`CompiledCode.entry`, a file
+    a trusted load checked and installed), run as Inductor's cache hit runs it, without
+    `compile_fx`: importing Inductor's compiler and looking up its caches was most of a
+    trusted load. The entry's AOTAutograd wrapper does nothing (`runnable_entry`), so the
+    graph's own outputs are the step's; the state it updates it writes in place.
+
+    Inductor's options are those of the compile: the C++ build flags are part of the name
+    Inductor finds each built library under."""
+    import pickle
+
+    import torch._inductor.config as inductor_config
+    from torch._inductor.output_code import CompiledFxGraphConstants, maybe_realign_inputs
+    from torch._inductor.utils import BoxedBool
+
+    options = _inductor_options(gm, preset, example_args, compile_threads, passes=False)
+    graph = pickle.loads((compiled_code.cache_dir / compiled_code.entry).read_bytes())
+    with (
+        _inductor_cache_dir(compiled_code.cache_dir),
+        inductor_config.patch(options),
+        _building_nothing(compiled_code.cache_dir),
+    ):
+        graph.after_deserialization(CompiledFxGraphConstants())
+    maybe_realign_inputs(BoxedBool(False), graph, graph.inputs_to_check, graph.mutated_input_idxs)
+    call = graph.current_callable
+    mutated = list(mutated_inputs)
+
+    def run(args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        with torch.no_grad(), torch._C._DisableAutocast():
+            outputs = call(list(args))  # `call` empties the list it gets
+        return [*outputs, *(args[i] for i in mutated)]
+
+    return run
+
+
+@contextlib.contextmanager
+def _building_nothing(cache_dir: Path):
+    """Inductor's loading of the built libraries, without precompiling the header that a
+    build of them would use: its C++ compiler runs (preprocessing the header to hash it,
+    building it on a machine that has none) were a third of a trusted load, for a build that
+    does not happen (every library is there, named by its source and flags). Were one
+    missing, its build fails on the header given instead (a path that does not exist), and
+    the load falls back to `compile_fx`, after Inductor's code caches forget this attempt."""
+    from torch._inductor import codecache
+
+    precompile = getattr(codecache, "_precompile_header", None)
+    if precompile is None:  # another torch: its own way
+        yield
+        return
+    missing = str(cache_dir / "no-precompiled-header" / "cpp_prefix.h")
+    codecache._precompile_header = lambda *args, **kwargs: missing
+    try:
+        yield
+    except BaseException:
+        for cache in (codecache.CppWrapperCodeCache, codecache.CppPythonBindingsCodeCache):
+            cache.cache_clear()
+        codecache.CppCodeCache.cache_clear()
+        raise
+    finally:
+        codecache._precompile_header = precompile
+
+
+def _inductor_options(
+    gm: fx.GraphModule,
+    preset: Preset,
+    example_args: Sequence[torch.Tensor],
+    compile_threads: int | None,
+    passes: bool = True,
+) -> dict:
+    """Inductor's config for compiling `gm` under `preset` (before `_scale_before_adding`);
+    passes=False leaves out the graph passes, which only a compile runs."""
+    from torch._inductor import list_mode_options
 
     options = dict(list_mode_options(preset.inductor_mode))
     # The ISA a CPU kernel is built for is picked from the CPU's flags, without Inductor's
@@ -208,22 +377,9 @@ def _compile_with_inductor(
         limit = preset.cpp_wrapper_max_ops
         if limit is not None and sum(n.op == "call_function" for n in gm.graph.nodes) <= limit:
             options["cpp_wrapper"] = True
-    if _KEEP_MATMULS_APART:
+    if _KEEP_MATMULS_APART and passes:
         options["post_grad_custom_pre_pass"] = _matmuls_apart_from_full_size_adds()
-    _scale_before_adding(gm)
-    mutated = mutated_inputs or []
-    in_place = _updating_state_in_place(gm, mutated) if mutated else gm
-    with _inductor_cache_dir(cache_dir), _static_shape_env(example_args) as fake_args:
-        apply_remembered_source_keys()
-        compiled = compile_fx(in_place, fake_args, config_patches=options)
-    if not mutated:
-        return lambda args: compiled(*args)
-
-    def run(args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        outputs = compiled(*args)
-        return [*outputs, *(args[i] for i in mutated)]
-
-    return run
+    return options
 
 
 def _updating_state_in_place(gm: fx.GraphModule, mutated: Sequence[int]) -> fx.GraphModule:

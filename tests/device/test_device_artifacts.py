@@ -88,12 +88,18 @@ LOAD_AND_TRAIN = """
     set_buffer_name_in_optimizer(optimizer, "optimizer")
     context.register_optimizer_buffers(optimizer)
 
-    compiled = context.load_codegen_dir(storage.path(tmp / "codegen"))
+    trusted = sys.argv[2:] == ["trusted"]
+    compiled = context.load_codegen_dir(
+        storage.path(tmp / "codegen"), trust_compiled_code=trusted
+    )
     losses = [compiled(batch)["loss"].item() for batch in torch.load(tmp / "batches.pt")]
     context.synchronize()
     momentum = [optimizer.state[p]["momentum_buffer"] for p in model.parameters()]
+    compiler = "torch._inductor.compile_fx" in sys.modules
     torch.save(
-        {"losses": losses, "model": model.state_dict(), "momentum": momentum}, tmp / "out.pt"
+        {"losses": losses, "model": model.state_dict(), "momentum": momentum,
+         "compiler_imported": compiler},
+        tmp / "out.pt",
     )
 """
 
@@ -118,6 +124,41 @@ def test_training_step_round_trip_through_a_codegen_dir(context, tmp_path):
     for theirs, p in zip(out["momentum"], model.parameters(), strict=True):
         assert torch.equal(theirs, optimizer.state[p]["momentum_buffer"])
     assert out["model"]["3.bias"].ne(bn_model().state_dict()["3.bias"]).any()
+
+
+def test_a_trusted_load_runs_the_compiled_training_step_itself(context, tmp_path):
+    """An O1 training step with BatchNorm and SGD momentum, loaded trusted by a fresh process
+    with an empty Inductor cache: the dir's compiled graph runs directly (Inductor's compiler
+    is never imported) and trains exactly as the compiled step did, bit for bit."""
+    model = bn_model()
+    torch.save(model.state_dict(), tmp_path / "init.pt")
+    optimizer = make_sgd(model.parameters(), 0.1, 0.9, 0.0)
+    register(context, model, optimizer)
+    batches = classification_batches(3, 8, 6, 3)
+    torch.save(batches, tmp_path / "batches.pt")
+    step = training_step(model, optimizer, cross_entropy)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # Inductor's CPU code is specialized to it: as the load's process
+    try:
+        codegen = storage.path(tmp_path / "codegen")
+        compiled = context.compile(step, batches[0], codegen, {"option_json": "O1"})
+        losses = device_train(compiled, batches)
+    finally:
+        torch.set_num_threads(threads)
+    context.synchronize()
+    specs = json.loads((tmp_path / "codegen" / "specs.json").read_text())
+    assert specs["compiled"]["entry"] in specs["compiled"]["sha256"]
+
+    cache = tmp_path / "empty-inductor-cache"
+    run_python(LOAD_AND_TRAIN, tmp_path, "trusted", env={"TORCHINDUCTOR_CACHE_DIR": str(cache)})
+    out = torch.load(tmp_path / "out.pt")
+    assert not out["compiler_imported"]
+    assert out["losses"] == losses
+    for key, value in model.state_dict().items():
+        assert torch.equal(out["model"][key], value), key
+    for theirs, p in zip(out["momentum"], model.parameters(), strict=True):
+        assert torch.equal(theirs, optimizer.state[p]["momentum_buffer"])
+    assert out["model"]["1.running_mean"].ne(bn_model().state_dict()["1.running_mean"]).any()
 
 
 LOAD_AND_ADD = """
@@ -656,7 +697,8 @@ LOAD_TRUSTED = """
     out = loaded({"x": torch.load(tmp / "x.pt")})["y"]
     inductor = dict(counters["inductor"])
     print(json.dumps({"out": out.tolist(), "hits": inductor.get("fxgraph_cache_hit", 0),
-                      "misses": inductor.get("fxgraph_cache_miss", 0)}))
+                      "misses": inductor.get("fxgraph_cache_miss", 0),
+                      "compiler_imported": "torch._inductor.compile_fx" in sys.modules}))
 """
 
 
@@ -682,8 +724,9 @@ def inductor_dir(tmp_path_factory):
 
 
 def test_a_trusted_load_runs_the_dirs_compiled_code_on_a_cold_cache(inductor_dir):
-    """A fresh process with an empty Inductor cache: the step is not compiled (Inductor's
-    graph cache hits on the dir's files) and computes what the compile did."""
+    """A fresh process with an empty Inductor cache: the step is not compiled (the dir's
+    compiled graph runs directly, without Inductor's compiler or its cache lookups) and
+    computes what the compile did."""
     tmp, _, _, expected = inductor_dir
     specs = json.loads((tmp / "codegen" / "specs.json").read_text())
     files = {
@@ -694,7 +737,22 @@ def test_a_trusted_load_runs_the_dirs_compiled_code_on_a_cold_cache(inductor_dir
     assert set(specs["compiled"]["sha256"]) == files and any(f.endswith(".so") for f in files)
     cache = tmp / "empty-inductor-cache"
     report = json.loads(run_python(LOAD_TRUSTED, tmp, env={"TORCHINDUCTOR_CACHE_DIR": str(cache)}))
-    assert (report["hits"], report["misses"]) == (1, 0)
+    assert (report["hits"], report["misses"], report["compiler_imported"]) == (0, 0, False)
+    torch.testing.assert_close(torch.tensor(report["out"]), expected, rtol=0, atol=0)
+
+
+def test_a_trusted_load_of_a_dir_naming_no_entry_hits_inductors_cache(inductor_dir, tmp_path):
+    """A dir written before compiled graphs ran directly (specs.json names no entry): the
+    load goes through Inductor's compile_fx, whose graph cache hits on the dir's files."""
+    tmp, _, _, expected = inductor_dir
+    shutil.copytree(tmp / "codegen", tmp_path / "codegen")
+    for name in ("init.pt", "x.pt"):
+        shutil.copy(tmp / name, tmp_path / name)
+    edit_specs(tmp_path / "codegen", lambda specs: specs["compiled"].pop("entry"))
+    cache = tmp_path / "empty-inductor-cache"
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(cache)}
+    report = json.loads(run_python(LOAD_TRUSTED, tmp_path, env=env))
+    assert (report["hits"], report["misses"], report["compiler_imported"]) == (1, 0, True)
     torch.testing.assert_close(torch.tensor(report["out"]), expected, rtol=0, atol=0)
 
 
