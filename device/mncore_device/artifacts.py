@@ -166,7 +166,9 @@ def save(
                 hashes[name] = _sha256(data)
             specs["compiled"] = {"torch": torch.__version__, "sha256": hashes}
             if compiled_entry is not None and compiled_entry in hashes:
+                # Inductor's CPU kernels are built for the compile's thread count
                 specs["compiled"]["entry"] = compiled_entry
+                specs["compiled"]["entry_threads"] = torch.get_num_threads()
         (staging / SPECS_FILE).write_text(json.dumps(specs, indent=1))
         _replace_dir(staging, path)
     except BaseException:
@@ -175,9 +177,11 @@ def save(
 
 
 def compiled_entry(specs: dict, names: list[str]) -> str | None:
-    """The checked file (one of `names`) that a trusted load runs directly, if any."""
+    """The checked file (one of `names`) that a trusted load runs directly, if any: not
+    under another thread count than the compile's, where Inductor compiles again."""
     entry = specs["compiled"].get("entry")
-    return entry if entry in names else None
+    threads = specs["compiled"].get("entry_threads")
+    return entry if entry in names and threads == torch.get_num_threads() else None
 
 
 def compiled_files(path: Path, specs: dict, trust_compiled_code: bool) -> list[str] | None:

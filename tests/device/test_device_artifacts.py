@@ -741,14 +741,23 @@ def test_a_trusted_load_runs_the_dirs_compiled_code_on_a_cold_cache(inductor_dir
     torch.testing.assert_close(torch.tensor(report["out"]), expected, rtol=0, atol=0)
 
 
-def test_a_trusted_load_of_a_dir_naming_no_entry_hits_inductors_cache(inductor_dir, tmp_path):
-    """A dir written before compiled graphs ran directly (specs.json names no entry): the
-    load goes through Inductor's compile_fx, whose graph cache hits on the dir's files."""
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda compiled: compiled.pop("entry"),
+        lambda compiled: compiled.update(entry_threads=compiled["entry_threads"] + 1),
+    ],
+    ids=["no-entry", "other-thread-count"],
+)
+def test_a_trusted_load_without_a_runnable_entry_hits_inductors_cache(inductor_dir, tmp_path, edit):
+    """A dir written before compiled graphs ran directly (specs.json names no entry), or
+    compiled under another thread count: the load goes through Inductor's compile_fx, whose
+    graph cache hits on the dir's files (the thread count the load's own, as in the compile)."""
     tmp, _, _, expected = inductor_dir
     shutil.copytree(tmp / "codegen", tmp_path / "codegen")
     for name in ("init.pt", "x.pt"):
         shutil.copy(tmp / name, tmp_path / name)
-    edit_specs(tmp_path / "codegen", lambda specs: specs["compiled"].pop("entry"))
+    edit_specs(tmp_path / "codegen", lambda specs: edit(specs["compiled"]))
     cache = tmp_path / "empty-inductor-cache"
     env = {"TORCHINDUCTOR_CACHE_DIR": str(cache)}
     report = json.loads(run_python(LOAD_TRUSTED, tmp_path, env=env))
