@@ -104,25 +104,36 @@ LOAD_AND_TRAIN = """
 """
 
 
-def test_training_step_round_trip_through_a_codegen_dir(context, tmp_path):
+def _bn_training_step(context, tmp_path, n_batches):
+    """A registered BatchNorm model's SGD-momentum step, its initial weights and batches saved
+    for LOAD_AND_TRAIN: (model, optimizer, step, batches)."""
     model = bn_model()
     torch.save(model.state_dict(), tmp_path / "init.pt")
     optimizer = make_sgd(model.parameters(), 0.1, 0.9, 0.0)
     register(context, model, optimizer)
-    batches = classification_batches(5, 8, 6, 3)
+    batches = classification_batches(n_batches, 8, 6, 3)
     torch.save(batches, tmp_path / "batches.pt")
-    step = training_step(model, optimizer, cross_entropy)
+    return model, optimizer, training_step(model, optimizer, cross_entropy), batches
+
+
+def _assert_loaded_training_as_compiled(out, losses, model, optimizer):
+    """LOAD_AND_TRAIN's results equal the compiled step's, bit for bit."""
+    assert out["losses"] == losses
+    for key, value in model.state_dict().items():
+        assert torch.equal(out["model"][key], value), key
+    for theirs, p in zip(out["momentum"], model.parameters(), strict=True):
+        assert torch.equal(theirs, optimizer.state[p]["momentum_buffer"])
+
+
+def test_training_step_round_trip_through_a_codegen_dir(context, tmp_path):
+    model, optimizer, step, batches = _bn_training_step(context, tmp_path, 5)
     compiled = compile_o0(context, step, batches[0], codegen_dir=storage.path(tmp_path / "codegen"))
     losses = device_train(compiled, batches)
     context.synchronize()
 
     run_python(LOAD_AND_TRAIN, tmp_path)
     out = torch.load(tmp_path / "out.pt")
-    assert out["losses"] == losses
-    for key, value in model.state_dict().items():
-        assert torch.equal(out["model"][key], value), key
-    for theirs, p in zip(out["momentum"], model.parameters(), strict=True):
-        assert torch.equal(theirs, optimizer.state[p]["momentum_buffer"])
+    _assert_loaded_training_as_compiled(out, losses, model, optimizer)
     assert out["model"]["3.bias"].ne(bn_model().state_dict()["3.bias"]).any()
 
 
@@ -130,13 +141,7 @@ def test_a_trusted_load_runs_the_compiled_training_step_itself(context, tmp_path
     """An O1 training step with BatchNorm and SGD momentum, loaded trusted by a fresh process
     with an empty Inductor cache: the dir's compiled graph runs directly (Inductor's compiler
     is never imported) and trains exactly as the compiled step did, bit for bit."""
-    model = bn_model()
-    torch.save(model.state_dict(), tmp_path / "init.pt")
-    optimizer = make_sgd(model.parameters(), 0.1, 0.9, 0.0)
-    register(context, model, optimizer)
-    batches = classification_batches(3, 8, 6, 3)
-    torch.save(batches, tmp_path / "batches.pt")
-    step = training_step(model, optimizer, cross_entropy)
+    model, optimizer, step, batches = _bn_training_step(context, tmp_path, 3)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # Inductor's CPU code is specialized to it: as the load's process
     try:
@@ -153,11 +158,7 @@ def test_a_trusted_load_runs_the_compiled_training_step_itself(context, tmp_path
     run_python(LOAD_AND_TRAIN, tmp_path, "trusted", env={"TORCHINDUCTOR_CACHE_DIR": str(cache)})
     out = torch.load(tmp_path / "out.pt")
     assert not out["compiler_imported"]
-    assert out["losses"] == losses
-    for key, value in model.state_dict().items():
-        assert torch.equal(out["model"][key], value), key
-    for theirs, p in zip(out["momentum"], model.parameters(), strict=True):
-        assert torch.equal(theirs, optimizer.state[p]["momentum_buffer"])
+    _assert_loaded_training_as_compiled(out, losses, model, optimizer)
     assert out["model"]["1.running_mean"].ne(bn_model().state_dict()["1.running_mean"]).any()
 
 
