@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from mncore_device import Context, MNDevice, set_buffer_name_in_optimizer, set_tensor_name_in_module
+from mncore_device import Context, MNDevice
+
+sys.path.insert(0, str(Path(__file__).parent))  # device_steps.py, next to this script
+from device_steps import make_step, registered  # noqa: E402
 
 
 class TinyViT(nn.Module):
@@ -49,19 +53,8 @@ def compiled_step(random: str, preset: str):
         optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
     context = Context(MNDevice("pfvm:cpu"))
     Context.switch_context(context)
-    set_tensor_name_in_module(model, "model")
-    set_buffer_name_in_optimizer(optimizer, "optimizer")
-    for p in model.parameters():
-        context.register_param(p)
-    context.register_optimizer_buffers(optimizer)
-
-    def step(batch):
-        optimizer.zero_grad()
-        loss = F.cross_entropy(model(batch["x"]), batch["t"])
-        loss.backward()
-        optimizer.step()
-        return {"loss": loss}
-
+    registered(context, model, optimizer)
+    step = make_step(model, optimizer)
     batch = {"x": torch.randn(32, 3, 32, 32), "t": torch.randint(0, 10, (32,))}
     compiled = context.compile(step, batch, options={"option_json": preset, "random": random})
     for _ in range(3):
