@@ -546,49 +546,18 @@ def _compile_hook(
         else:
             for param, buffer in accumulate[1].items():
                 param.grad = buffer
-        scaler = precision.scaler if not manual else None
-        output = None
-        if forward:
-            output = hook(batch, *args)
-            loss = _loss_of(output)
-            loss = loss if accumulate is None else loss / accumulate[0]
-            module.backward(scaler.scale(loss) if scaler is not None else loss)
-        if reduce_gradients is not None and update:
-            params = [p for g in optimizer.param_groups for p in g["params"]]
-            reduce_gradients([p.grad for p in params if p.grad is not None])
-        found_inf = _unscale(optimizer, scaler) if scaler is not None and update else None
-        gradients = {}
-        if return_gradients:  # copies: clipping and the update change the grads in place
-            params = [p for g in optimizer.param_groups for p in g["params"]]
-            for index, param in enumerate(params):
-                if param.grad is not None:
-                    gradients[f"{GRAD_PREFIX}{index}"] = param.grad.detach().clone()
-                    gradient_params[f"{GRAD_PREFIX}{index}"] = param
-        if update:
-            # As Lightning: the hook is always called; its default clips only if asked to.
-            clip_val, clip_algorithm = gradient_clipping
-            module.configure_gradient_clipping(
-                optimizer, gradient_clip_val=clip_val, gradient_clip_algorithm=clip_algorithm
-            )
-            if found_inf is None:
-                optimizer.step()
-            else:
-                _step_unless_inf(optimizer, found_inf)
-                torch._amp_update_scale_(
-                    scaler._scale,
-                    scaler._growth_tracker,
-                    found_inf,
-                    scaler._growth_factor,
-                    scaler._backoff_factor,
-                    scaler._growth_interval,
-                )
-        if accumulate is not None:
-            if update:
-                with torch.no_grad():
-                    for buffer in accumulate[1].values():
-                        buffer.zero_()
-            for param in accumulate[1]:
-                param.grad = None
+        output = hook(batch, *args) if forward else None
+        gradients = backward_and_update(
+            module,
+            optimizer,
+            _loss_of(output) if forward else None,
+            precision.scaler if not manual else None,
+            accumulate=accumulate,
+            update=update,
+            reduce_gradients=reduce_gradients,
+            gradient_clipping=gradient_clipping,
+            gradient_params=gradient_params if return_gradients else None,
+        )
         return output, gradients
 
     if steps is not None and carried.slots:
@@ -645,6 +614,65 @@ def _compile_hook(
         batch_values,
     )
     return compiled_hook, inputs
+
+
+def backward_and_update(
+    module: Any,
+    optimizer: torch.optim.Optimizer,
+    loss: torch.Tensor | None,
+    scaler: Any,
+    *,
+    accumulate: tuple[int, dict[torch.Tensor, torch.Tensor]] | None,
+    update: bool,
+    reduce_gradients: Callable[[list[torch.Tensor]], None] | None,
+    gradient_clipping: tuple[float | None, str | None],
+    gradient_params: dict[str, torch.Tensor] | None,
+) -> dict[str, torch.Tensor]:
+    """What a compiled training step does after the forward, as Lightning's automatic
+    optimization would: backward of `loss` (scaled, and divided over an accumulation window),
+    the gradients' reduction across ranks, unscaling, clipping and the update (skipped where
+    the scaled gradients are not finite). The gradients are set up by the caller (zeroed, or
+    the accumulation buffers). Returns copies of the gradients as backward left them, by
+    `gradient_params` key, when it is given (for Lightning's gradient hooks)."""
+    if loss is not None:
+        loss = loss if accumulate is None else loss / accumulate[0]
+        module.backward(scaler.scale(loss) if scaler is not None else loss)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if reduce_gradients is not None and update:
+        reduce_gradients([p.grad for p in params if p.grad is not None])
+    found_inf = _unscale(optimizer, scaler) if scaler is not None and update else None
+    gradients = {}
+    if gradient_params is not None:  # copies: clipping and the update change the grads in place
+        for index, param in enumerate(params):
+            if param.grad is not None:
+                gradients[f"{GRAD_PREFIX}{index}"] = param.grad.detach().clone()
+                gradient_params[f"{GRAD_PREFIX}{index}"] = param
+    if update:
+        # As Lightning: the hook is always called; its default clips only if asked to.
+        clip_val, clip_algorithm = gradient_clipping
+        module.configure_gradient_clipping(
+            optimizer, gradient_clip_val=clip_val, gradient_clip_algorithm=clip_algorithm
+        )
+        if found_inf is None:
+            optimizer.step()
+        else:
+            _step_unless_inf(optimizer, found_inf)
+            torch._amp_update_scale_(
+                scaler._scale,
+                scaler._growth_tracker,
+                found_inf,
+                scaler._growth_factor,
+                scaler._backoff_factor,
+                scaler._growth_interval,
+            )
+    if accumulate is not None:
+        if update:
+            with torch.no_grad():
+                for buffer in accumulate[1].values():
+                    buffer.zero_()
+        for param in accumulate[1]:
+            param.grad = None
+    return gradients
 
 
 def _unscale(optimizer: torch.optim.Optimizer, scaler: Any) -> torch.Tensor:

@@ -29,6 +29,7 @@ _MIRRORED = (
     "host_sync",
     "python_values",
     "compiled_hooks",
+    "captured_hooks",
     "strategy",
     "ddp",
     "lightning_patch",

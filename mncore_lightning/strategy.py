@@ -45,6 +45,7 @@ from mncore_device import (
 
 from .accelerator import MNCoreAccelerator
 from .carried_state import signature as carried_signature
+from .captured_hooks import CapturedHook
 from .compiled_hooks import BatchLayout, CompiledHook, compile_hook, shape_change
 from .data import LAST_BATCH_OPTIONS, StepGroup, StepGroups, with_drop_last
 from .device_selection import resolve_device, resolve_preset
@@ -56,6 +57,10 @@ from .precision import MNCorePrecision
 from .step_counters import scheduler_counters
 
 _EVAL_HOOKS = ("validation_step", "test_step", "predict_step")
+# Which frontend captures the steps, while they move to TorchDynamo: "dynamo" (captured_hooks.py:
+# automatic optimization on one device, and evaluation), or "trace" (make_fx with the
+# hand-written interceptions of compiled_hooks.py, which the other steps still use).
+CAPTURES = ("dynamo", "trace")
 log = logging.getLogger(__name__)
 _WRAPPED_PRECISIONS = ("bf16-mixed", "bf16-true", "16-mixed")
 
@@ -87,6 +92,7 @@ class CompiledSteps:
         max_retraces: int,
         steps_per_call: int = 1,
         last_batch: str = "drop",
+        fullgraph: bool = False,
     ) -> None:
         if last_batch not in LAST_BATCH_OPTIONS:
             raise ValueError(
@@ -124,6 +130,12 @@ class CompiledSteps:
         self.compiled_calls = 0
         self.steps_per_call = steps_per_call
         self.last_call_steps = 1  # training steps the last compiled training call ran
+        self.fullgraph = fullgraph
+        self.capture = os.environ.get("MNCORE_CAPTURE", "dynamo")
+        if self.capture not in CAPTURES:
+            raise ValueError(f"MNCORE_CAPTURE must be one of {CAPTURES}, got {self.capture!r}")
+        # the hooks captured by TorchDynamo (captured_hooks.py), by stage and kind of step
+        self._captured: dict[tuple, CapturedHook] = {}
 
     # --- the accelerator and the precision plugin are ours -----------------------------------
 
@@ -238,6 +250,7 @@ class CompiledSteps:
         self._carried: tuple | None = None
         self._grad_buffers: dict[torch.Tensor, torch.Tensor] = {}
         self._eval_hooks = {}
+        self._captured = {}
         self._device_is_newer = False
         self._watch_host_tensors()
         self._structure = structure_of(module, self.optimizers)
@@ -315,10 +328,12 @@ class CompiledSteps:
                 batch = batch[: max(max_steps - module.trainer.global_step, 1)]
             steps = len(batch)
         self._push_host_edits()  # may re-register a module whose structure changed
-        counters = self._counters(rest)
         manual = not module.automatic_optimization
         window = 1 if manual else module.trainer.accumulate_grad_batches
         update = window == 1 or self._updating
+        if self._is_captured_training(steps):
+            return self._captured_training_step(args, window, update)
+        counters = self._counters(rest)
         plan = accumulating, graph_update = self._train_plan(manual, window, update)
         # One graph per carried-tensor signature, kind of micro-batch (accumulating, or
         # ending a window with the update) and set of counters (the LR schedulers).
@@ -362,6 +377,56 @@ class CompiledSteps:
         self.last_call_steps = steps or 1
         self._after_train_call(update, counters)
         return result
+
+    def _is_captured_training(self, steps: int | None) -> bool:
+        """Whether the training step runs through the Dynamo frontend (captured_hooks.py)."""
+        module = self.lightning_module
+        return (
+            self.capture == "dynamo"
+            and steps is None
+            and module.automatic_optimization
+            and type(self)._train_plan is CompiledSteps._train_plan
+            and not torch.is_anomaly_enabled()
+        )
+
+    def _captured_training_step(self, args: tuple, window: int, update: bool) -> Any:
+        """One training step (forward, backward and update) as one device call."""
+        trainer = self.lightning_module.trainer
+        key = ("train", window, update)
+        hook = self._captured.get(key)
+        if hook is None:
+            hook = CapturedHook(
+                self,
+                "training_step",
+                optimizer=self.optimizers[0],
+                update_options={
+                    "accumulate": (window, self._gradient_buffers()) if window > 1 else None,
+                    "update": update,
+                    "reduce_gradients": self._gradient_reduction(),
+                    "gradient_clipping": (
+                        trainer.gradient_clip_val,
+                        trainer.gradient_clip_algorithm,
+                    ),
+                    "return_gradients": bool(self._user_hooks.intersection(GRADIENT_HOOKS)),
+                },
+                fullgraph=self.fullgraph,
+                compile_options=self._compile_options("train"),
+            )
+            self._captured[key] = hook
+        result = hook(*args)
+        self._device_is_newer = True
+        self._gradients = [(hook.gradient_params[k], g, 0) for k, g in hook.gradients.items()]
+        self.compiled_calls += 1
+        self.last_call_steps = 1
+        return result
+
+    def _compile_options(self, label: str) -> dict[str, Any]:
+        """What `Context.compile` gets for a captured hook's graphs."""
+        return {
+            "options": {"option_json": self.preset},
+            "cache_options": self.cache_options,
+            "codegen_dir": self.codegen_dir / label if self.codegen_dir is not None else None,
+        }
 
     def _compile_training(
         self,
@@ -500,6 +565,19 @@ class CompiledSteps:
         one per batch shape (and dataloader), so a ragged last batch costs one more compile."""
         batch, rest = args[0], args[1:]
         self._push_host_edits()  # an EMA or SWA swap, say: evaluate the weights the host holds
+        if self.capture == "dynamo":
+            key = (self._stage(), hook_name)
+            hook = self._captured.get(key)
+            if hook is None:
+                hook = CapturedHook(
+                    self,
+                    hook_name,
+                    fullgraph=self.fullgraph,
+                    compile_options=self._compile_options(f"{key[0]}_{hook_name}"),
+                )
+                self._captured[key] = hook
+            self.compiled_calls += 1
+            return hook(*args)
         counters = self._counters(rest)
         layout, inputs = BatchLayout.of(batch)
         hooks = self._eval_hooks.setdefault(self._stage(), [])
@@ -677,6 +755,7 @@ class CompiledSteps:
         self._train_hook = None
         self._train_hooks = {}
         self._eval_hooks = {}
+        self._captured = {}
         super().teardown()
 
     # --- reporting ----------------------------------------------------------------------------------
@@ -685,14 +764,17 @@ class CompiledSteps:
         """Counters for DeviceStatsMonitor."""
         hooks = [h for hs in self._eval_hooks.values() for h in hs]
         hooks += [self._train_hook] if self._train_hook is not None else []
+        seconds = sum(h.compiled.compile_seconds for h in hooks)
+        seconds += sum(h.compile_seconds for h in self._captured.values())
+        functions = len(hooks) + sum(len(h.compiled) for h in self._captured.values())
         memory = 0
         if self.context is not None:
             memory = sum(v.numel() * v.element_size() for v in self.context.device_values())
         return {
             "mncore/device_memory_bytes": float(memory),
-            "mncore/compiled_functions": float(len(hooks)),
+            "mncore/compiled_functions": float(functions),
             "mncore/compiled_calls": float(self.compiled_calls),
-            "mncore/compile_seconds": float(sum(h.compiled.compile_seconds for h in hooks)),
+            "mncore/compile_seconds": float(seconds),
             "mncore/retraces": float(self.retraces),
         }
 
@@ -751,6 +833,7 @@ class MNCoreStrategy(CompiledSteps, SingleDeviceStrategy):
         max_retraces: int = 8,
         steps_per_call: int = 1,
         last_batch: str = "drop",
+        fullgraph: bool = False,
     ) -> None:
         super().__init__(
             device=torch.device("cpu"),
@@ -768,6 +851,7 @@ class MNCoreStrategy(CompiledSteps, SingleDeviceStrategy):
             max_retraces,
             steps_per_call,
             last_batch,
+            fullgraph,
         )
 
     def setup_environment(self) -> None:

@@ -1,0 +1,442 @@
+"""Capture a Python step with TorchDynamo: every read guarded, host code between device calls.
+
+`DynamoFrontend(function, compile_graph, is_state=...)` runs `function` under TorchDynamo with
+a backend of its own. Dynamo reads the step's bytecode, so it sees every Python value the
+step reads (attributes of any object, tuples, NumPy scalars, globals, closure cells), guards
+each by its source, turns an int or float that changes into a graph input, replays list,
+dict and attribute writes after the graph, and splits the step around code that cannot be in
+a graph (a graph break: `print`, a NumPy draw, a logger call), which then runs on the host
+between the device calls, as in eager.
+
+Each graph Dynamo hands over becomes a `CapturedGraph`, with a typed signature: every
+placeholder is device state (a registered tensor: the device holds it), a tensor passed at
+every call, or a Python number. `compile_graph` turns it into a device function (it traces
+`CapturedGraph.run` into a static graph, with whatever it adds around it: a backward and an
+update, say); the frontend maps Dynamo's arguments to that function's inputs at every call.
+
+What the frontend reports: each re-compile with Dynamo's reason (the guard that failed,
+with the user's line), through `on_retrace`; each graph break with its reason and user line
+(`breaks`). Re-compiles are bounded by `max_retraces`, after which a `StaticGraphError`
+names the guard that keeps failing. `fullgraph=True` makes a graph break an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import types
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from enum import StrEnum
+from traceback import format_list
+from typing import Any
+
+import torch
+from torch import fx
+
+from .._source import user_frame
+from ..errors import StaticGraphError
+from .scalars import ScalarsAsTensors
+
+# Dynamo's settings while a step is captured (they matter when it traces, not between):
+# `.item()` stays in the graph as a value; an int attribute of a module that changes becomes
+# a graph input, as one of any other object does, instead of re-compiling at every change.
+_CAPTURE_CONFIG = {
+    "capture_scalar_outputs": True,
+    "allow_rnn": True,  # an nn.LSTM or GRU is traced (as any module), not a graph break
+    "allow_unspec_int_on_nn_module": True,
+    "fail_on_recompile_limit_hit": True,
+}
+
+NumberOrTensor = torch.Tensor | int | float | bool
+MUTATED_PREFIX = "mutated/"
+DeviceFunction = Callable[[Mapping[str, torch.Tensor]], Mapping[str, torch.Tensor]]
+
+
+def _param_groups_of_any_dict_type() -> None:
+    """Dynamo (torch 2.14.1) fails with an internal AttributeError ('UserDefinedDictVariable'
+    object has no attribute 'items') when a step reads `optimizer.param_groups` whose groups
+    are a dict subclass (as this package's optimizers' are: they mirror hyperparameters into
+    device tensors). What it does there is mark each group "capturable" in its view of the
+    groups, which matters only for CUDA graphs; groups of another type are left as they are.
+    """
+    from torch._dynamo.variables import optimizer
+
+    set_capturable = optimizer.OptimizerVariable._set_capturable
+    if getattr(set_capturable, "tolerates_dict_subclasses", False):
+        return
+
+    def tolerant(self: Any, tx: Any) -> None:
+        groups = self.value.param_groups
+        if all(type(group) is dict for group in groups):
+            return set_capturable(self, tx)
+        return None
+
+    tolerant.tolerates_dict_subclasses = True
+    optimizer.OptimizerVariable._set_capturable = tolerant
+
+
+_param_groups_of_any_dict_type()
+
+
+class InputKind(StrEnum):
+    """What a captured graph's input is, by what the step read."""
+
+    STATE = "state"  # a registered tensor (parameter, buffer, optimizer state): on the device
+    TENSOR = "tensor"  # any other tensor (a batch, a tensor attribute): passed at every call
+    NUMBER = "number"  # a Python int or float the graph computes with (a counter, an lr)
+    CONSTANT = "constant"  # a number the graph needs as such (a shape): fixed, checked per call
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphInput:
+    name: str  # the placeholder's
+    source: str  # where the step read it, as Dynamo names it (L['self'].lr, say)
+    kind: InputKind
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphBreak:
+    """A place where the step left the graph: the code there ran on the host."""
+
+    reason: str
+    where: str  # the user's line: file, line, function and code
+    stack: str = dataclasses.field(default="", compare=False)  # the whole traceback
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.reason}"
+
+
+@dataclasses.dataclass
+class CapturedGraph:
+    """One Dynamo graph with a typed signature (see InputKind), ready to trace."""
+
+    graph_module: fx.GraphModule
+    inputs: list[GraphInput]
+    examples: list[Any]  # what Dynamo gave for each input this time
+    number_outputs: list[bool]  # which outputs are Python numbers (returned as such)
+    index: int  # its position among the captured graphs
+
+    @classmethod
+    def of(
+        cls,
+        graph_module: fx.GraphModule,
+        examples: Sequence[Any],
+        is_state: Callable[[torch.Tensor], bool],
+        index: int,
+    ) -> CapturedGraph:
+        placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
+        inputs = []
+        values = []
+        for node, example in zip(placeholders, examples, strict=True):
+            grapharg = node.meta.get("grapharg")
+            source = grapharg.source.name if grapharg is not None else node.name
+            if getattr(grapharg, "pass_arg_as_tensor", False):  # a Python number, as a tensor
+                kind = InputKind.NUMBER
+                example = example.item()
+            elif isinstance(example, torch.Tensor):
+                kind = InputKind.STATE if is_state(example) else InputKind.TENSOR
+            else:
+                kind = InputKind.NUMBER
+                example = _concrete(example)
+            inputs.append(GraphInput(node.name, source, kind))
+            values.append(example)
+        output = next(n for n in graph_module.graph.nodes if n.op == "output")
+        number_outputs = [
+            isinstance(getattr(v, "meta", {}).get("example_value"), (torch.SymInt, torch.SymFloat))
+            for v in output.args[0]
+        ]
+        return cls(graph_module, inputs, values, number_outputs, index)
+
+    def sample(self) -> dict[str, torch.Tensor]:
+        """The device function's inputs for the examples (what compile traces with)."""
+        return self.device_inputs(self.examples)
+
+    def device_inputs(self, args: Sequence[Any]) -> dict[str, torch.Tensor]:
+        """The device function's inputs for Dynamo's arguments of one call."""
+        inputs = {}
+        for spec, value in zip(self.inputs, args, strict=True):
+            if spec.kind is InputKind.TENSOR:
+                inputs[spec.name] = value
+            elif spec.kind is InputKind.NUMBER:
+                inputs[spec.name] = ScalarsAsTensors._as_number(value)
+        return inputs
+
+    def constants_differ(self, args: Sequence[Any]) -> str | None:
+        """Which fixed number this call gives another value (the graph must be traced again)."""
+        for spec, value, example in zip(self.inputs, args, self.examples, strict=True):
+            if spec.kind is InputKind.CONSTANT and _number(value) != example:
+                return f"{spec.source} changed from {example} to {value}"
+        return None
+
+    def run(
+        self, inputs: Mapping[str, torch.Tensor], calls: Mapping[Any, Callable[..., Any]] = {}
+    ) -> dict[str, torch.Tensor]:
+        """Run the graph on `inputs` (its tensor and number inputs) and the device state; a
+        traced step calls this, so the state is the registered tensors themselves.
+
+        Returns the outputs as "0", "1", ..., and as "mutated/<input>" the new value of each
+        tensor input the graph changed in place (a metric's running total, say), which the
+        call writes back into the caller's tensor. `calls`: what to run for a marker node
+        (see `traced_call`)."""
+        values = []
+        tensors = {}
+        for spec, example in zip(self.inputs, self.examples, strict=True):
+            if spec.kind in (InputKind.TENSOR, InputKind.NUMBER):
+                values.append(inputs[spec.name])
+                if spec.kind is InputKind.TENSOR:
+                    tensors[spec.name] = (inputs[spec.name], inputs[spec.name]._version)
+            else:
+                values.append(example)  # the registered tensor, or the fixed number
+        numbers = {s.name for s in self.inputs if s.kind is InputKind.NUMBER}
+        outputs = ScalarsAsTensors(self.graph_module, numbers, calls).run(*values)
+        result = {str(i): value for i, value in enumerate(outputs)}
+        for name, (tensor, version) in tensors.items():
+            if tensor._version != version:
+                result[MUTATED_PREFIX + name] = tensor
+        return result
+
+    def results(
+        self, args: Sequence[Any], outputs: Mapping[str, torch.Tensor]
+    ) -> list[NumberOrTensor]:
+        """What Dynamo's code expects back (numbers as Python numbers), after writing the new
+        value of each tensor input the graph changed in place into the caller's tensor."""
+        for spec, value in zip(self.inputs, args, strict=True):
+            new = outputs.get(MUTATED_PREFIX + spec.name)
+            if new is not None:
+                with torch.no_grad():
+                    value.copy_(new)
+        values = [outputs[str(i)] for i in range(len(self.number_outputs))]
+        return [v.item() if n else v for v, n in zip(values, self.number_outputs, strict=True)]
+
+    def with_constants(self, names: set[str]) -> CapturedGraph:
+        """The same graph with the numbers `names` fixed (an op needs them as numbers)."""
+        inputs = [
+            dataclasses.replace(s, kind=InputKind.CONSTANT) if s.name in names else s
+            for s in self.inputs
+        ]
+        return dataclasses.replace(self, inputs=inputs)
+
+    def numbers_reaching(self, node_name: str | None) -> set[str]:
+        """The number inputs that node `node_name` computes with (all of them if None)."""
+        numbers = {s.name for s in self.inputs if s.kind is InputKind.NUMBER}
+        nodes = {n.name: n for n in self.graph_module.graph.nodes}
+        if node_name not in nodes:
+            return numbers
+        found, stack, seen = set(), [nodes[node_name]], set()
+        while stack:
+            node = stack.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            if node.op == "placeholder" and node.name in numbers:
+                found.add(node.name)
+            stack.extend(node.all_input_nodes)
+        return found
+
+    def with_examples(self, args: Sequence[Any]) -> CapturedGraph:
+        examples = [
+            _number(a) if s.kind in (InputKind.NUMBER, InputKind.CONSTANT) else _concrete(a)
+            for s, a in zip(self.inputs, args, strict=True)
+        ]
+        return dataclasses.replace(self, examples=examples)
+
+
+def _number(value: Any) -> Any:
+    """A number Dynamo passes (as a 0-d tensor, for a float it does not specialize on)."""
+    return value.item() if isinstance(value, torch.Tensor) else value
+
+
+def _concrete(value: Any) -> Any:
+    """A SymInt or SymFloat Dynamo gave as an example, as the number it stands for."""
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return value.node.hint
+    return value
+
+
+class DynamoFrontend:
+    """`function` run under TorchDynamo, each of its graphs compiled by `compile_graph`.
+
+    compile_graph(captured) -> a device function taking `captured.device_inputs(...)` and
+    returning what `captured.run` returns (traced into a static graph, say).
+    is_state(tensor): whether a tensor the step reads is device state (registered).
+    on_retrace(reason): called at each re-compile, with Dynamo's reason.
+    dynamic_sources: regular expressions of the sources (as Dynamo names them) of ints that
+    change from call to call (step counters): graph inputs from the first capture on, rather
+    than after a re-compile (torch.compiler.config.dynamic_sources).
+    """
+
+    def __init__(
+        self,
+        function: Callable[..., Any],
+        compile_graph: Callable[[CapturedGraph], DeviceFunction],
+        *,
+        is_state: Callable[[torch.Tensor], bool],
+        fullgraph: bool = False,
+        max_retraces: int = 8,
+        on_retrace: Callable[[str], None] | None = None,
+        dynamic_sources: Sequence[str] = (),
+    ) -> None:
+        self._compile_graph = compile_graph
+        self._dynamic_sources = ",".join(dynamic_sources)
+        self._is_state = is_state
+        self._on_retrace = on_retrace or (lambda reason: None)
+        self._failed_guard: str | None = None
+        self.fullgraph = fullgraph
+        self.max_retraces = max_retraces
+        self.graphs: list[CapturedGraph] = []
+        self.retraces: list[str] = []
+        self.breaks: list[GraphBreak] = []
+        self._compiled = torch._dynamo.optimize(
+            self._backend,
+            nopython=fullgraph,
+            guard_fail_fn=self._guard_failed,
+            recompile_limit=max_retraces + 1,
+        )(_own_frame(function))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with (
+            torch._dynamo.config.patch(_CAPTURE_CONFIG),
+            torch.compiler.config.patch(dynamic_sources=self._dynamic_sources),
+            self._recording_breaks(),
+        ):
+            try:
+                return self._compiled(*args, **kwargs)
+            except torch._dynamo.exc.BackendCompilerFailed as error:
+                raise error.inner_exception.with_traceback(
+                    error.inner_exception.__traceback__
+                ) from None
+            except torch._dynamo.exc.FailOnRecompileLimitHit:
+                raise StaticGraphError(
+                    f"the compiled step was traced again more than max_retraces="
+                    f"{self.max_retraces} times; the guard that keeps failing: "
+                    f"{self._failed_guard}. A value the step reads changes at every call: make "
+                    "it a tensor, or raise max_retraces."
+                ) from None
+            except torch._dynamo.exc.Unsupported as error:
+                if not self.fullgraph:
+                    raise
+                raise StaticGraphError(
+                    f"fullgraph=True: the step cannot be one graph: {error}"
+                ) from None
+
+    @property
+    def device_calls(self) -> int:
+        """Device calls per step: one per graph of the latest capture (breaks + 1)."""
+        return len(self.breaks) + 1
+
+    def _guard_failed(self, failure: Any) -> None:
+        self._failed_guard = failure.reason
+
+    def _backend(self, graph_module: fx.GraphModule, examples: list[Any]) -> Callable[..., Any]:
+        captured = CapturedGraph.of(graph_module, examples, self._is_state, len(self.graphs))
+        if self._failed_guard is not None:
+            reason = self._failed_guard
+            self._failed_guard = None
+            self.retraces.append(reason)
+            self._on_retrace(reason)
+        self.graphs.append(captured)
+        return _GraphCall(captured, self._compile_graph, self._on_retrace)
+
+    @contextlib.contextmanager
+    def _recording_breaks(self) -> Iterator[None]:
+        """Note each graph break Dynamo logs while it traces (with the user's line)."""
+        from torch._dynamo.symbolic_convert import InstructionTranslatorBase
+
+        log = InstructionTranslatorBase.log_graph_break
+        breaks = self.breaks
+
+        def noting(translator: Any, code_options: Any, reason: str, exc: Any) -> None:
+            if not getattr(exc, "logged", False):
+                stack = list(getattr(exc, "real_stack", None) or [])
+                where = user_frame(stack) or (
+                    f"{stack[-1].filename}:{stack[-1].lineno}" if stack else "?"
+                )
+                found = GraphBreak(_break_reason(reason, exc), where, "".join(format_list(stack)))
+                if found not in breaks:
+                    breaks.append(found)
+            return log(translator, code_options, reason, exc)
+
+        InstructionTranslatorBase.log_graph_break = noting
+        try:
+            yield
+        finally:
+            InstructionTranslatorBase.log_graph_break = log
+
+
+def _own_frame(function: Callable[..., Any]) -> Callable[..., Any]:
+    """`function` called from a code object of its own: Dynamo keeps its compiled graphs, the
+    count of re-compiles and what it learned about changing values per code object, so each
+    frontend starts afresh, whatever else runs the same code."""
+
+    def captured_step(*args: Any, **kwargs: Any) -> Any:
+        return function(*args, **kwargs)
+
+    code = captured_step.__code__.replace()
+    assert code is not captured_step.__code__
+    return types.FunctionType(
+        code, captured_step.__globals__, "captured_step", None, captured_step.__closure__
+    )
+
+
+def _break_reason(reason: str, exc: Any) -> str:
+    """Dynamo's kind of graph break and its explanation, in one line."""
+    lines = [line.strip() for line in str(getattr(exc, "msg", None) or reason).splitlines()]
+    kind = getattr(exc, "gb_type", None) or next((line for line in lines if line), reason)
+    explanation = next((line for line in lines if line.startswith("Explanation:")), "")
+    return f"{kind} ({explanation.removeprefix('Explanation:').strip()})" if explanation else kind
+
+
+class _GraphCall:
+    """What Dynamo calls for one graph: its device function for the inputs' shapes (a
+    dynamic dimension or a fixed number that changed compiles another), run on the device."""
+
+    def __init__(
+        self,
+        captured: CapturedGraph,
+        compile_graph: Callable[[CapturedGraph], DeviceFunction],
+        on_retrace: Callable[[str], None],
+    ) -> None:
+        self._compile_graph = compile_graph
+        self._on_retrace = on_retrace
+        self._compiled: dict[tuple, tuple[CapturedGraph, DeviceFunction]] = {}
+        self._captured = self._add(captured)[0]  # its input kinds select a device function
+
+    def _add(self, captured: CapturedGraph) -> tuple[CapturedGraph, DeviceFunction]:
+        """Compile `captured`; a number that an op needs as a Python number (dropout's p, a
+        shape) is fixed instead, and the graph compiled again (checked at every call)."""
+        while True:
+            try:
+                function = self._compile_graph(captured)
+                break
+            except Exception as error:
+                names = captured.numbers_reaching(getattr(error, "number_node", None))
+                if not names:
+                    raise
+                captured = captured.with_constants(names)
+        entry = (captured, function)
+        self._compiled[_key(captured, captured.examples)] = entry
+        return entry
+
+    def __call__(self, *args: Any) -> list[NumberOrTensor]:
+        entry = self._compiled.get(_key(self._captured, args))
+        if entry is None:
+            entry = self._add_for(args)
+        captured, function = entry
+        return captured.results(args, function(captured.device_inputs(args)))
+
+    def _add_for(self, args: Sequence[Any]) -> tuple[CapturedGraph, DeviceFunction]:
+        base = self._captured
+        changed = base.constants_differ(args) or "the shapes of its tensor inputs changed"
+        self._on_retrace(changed)
+        return self._add(base.with_examples(args))
+
+
+def _key(captured: CapturedGraph, args: Sequence[Any]) -> tuple:
+    """What selects a device function: tensor shapes and dtypes, and fixed numbers."""
+    key = []
+    for spec, value in zip(captured.inputs, args, strict=True):
+        if spec.kind is InputKind.TENSOR:
+            key.append((tuple(value.shape), value.dtype))
+        elif spec.kind is InputKind.CONSTANT:
+            key.append(_number(value))
+    return tuple(key)
