@@ -422,6 +422,48 @@ def test_item_logged_in_training_and_validation_as_on_cpu():
     assert {"train_item", "val_loss"} <= set(mn.metrics)
 
 
+# Python arithmetic on `loss.item()`, a number the graph computes
+ITEM_OPS: dict[str, Any] = {
+    "int": lambda v: int(v * 10),
+    "sqrt": lambda v: v**0.5,
+    "abs": lambda v: abs(-v),
+    "max": lambda v: max(v, 0.1, 0.2),
+    "mod": lambda v: (v * 10) % 3,
+    "floordiv": lambda v: (v * 10) // 3,
+    "round-3": lambda v: round(v, 3),
+    "round": lambda v: round(v),
+    "floor": lambda v: math.floor(v * 10),
+    "ceil": lambda v: math.ceil(v * 10),
+}
+ROUNDING = ("round-3", "round", "floor", "ceil")
+
+
+class ItemArithmetic(LitClassifier):
+    def __init__(self, ops: tuple[str, ...]) -> None:
+        super().__init__()
+        self.ops = ops
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        value = loss.item()
+        for name in self.ops:
+            self.log(name, float(ITEM_OPS[name](value)))
+        return loss
+
+
+def test_arithmetic_on_item_in_training_step_as_on_cpu():
+    ops = tuple(op for op in ITEM_OPS if op not in ROUNDING)
+    cpu, mn = _both(lambda: ItemArithmetic(ops), epochs=1)
+    assert set(ops) <= set(mn.metrics)
+
+
+@pytest.mark.parametrize("op", ROUNDING)
+def test_rounding_of_item_in_training_step_as_on_cpu(op):
+    cpu, mn = _both(lambda: ItemArithmetic((op,)), epochs=1)
+    assert op in mn.metrics
+
+
 def _accuracy(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     from torchmetrics.functional.classification import multiclass_accuracy
 
