@@ -225,6 +225,28 @@ def test_numpy_scalar_attribute_changed_by_a_hook_as_on_cpu():
     _both(NumpyScalar)
 
 
+class NumpyArray(LitClassifier):
+    """Class weights held as a NumPy array (Dynamo passes it to the graph as a tensor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.class_weights = np.ones(CLASSES)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        weight = torch.from_numpy(self.class_weights).float()
+        loss = F.cross_entropy(self(x), y, weight=weight)
+        self.log("train_loss", loss)
+        return loss
+
+    def on_train_epoch_end(self) -> None:
+        self.class_weights = np.array([1.0, 2.0 + self.current_epoch, 0.5])
+
+
+def test_numpy_array_attribute_changed_by_a_hook_as_on_cpu():
+    _both(NumpyArray)
+
+
 class NoneThenNumber(LitClassifier):
     def __init__(self) -> None:
         super().__init__()
