@@ -423,6 +423,43 @@ def test_branch_on_global_step_as_on_cpu_with_two_training_graphs():
     assert "<= 2" in reason and f"test_dynamo_capture.py:{line}" in reason, reason
 
 
+# Schedules computed from global_step with Python's math (Dynamo records math.cos of a
+# changing int as torch._sym_cos, math.floor as math.floor, round as __round__)
+SCHEDULES: dict[str, Any] = {
+    "power": lambda step: 0.9**step,
+    "cosine": lambda step: 0.5 * (1 + math.cos(math.pi * step / 8)),
+    "log2": lambda step: 1 / math.log2(step + 2),
+    "floor": lambda step: 1 + math.floor(step / 2),
+    "round": lambda step: 1 + round(step / 3),
+}
+
+
+class Schedule(LitClassifier):
+    def __init__(self, schedule: str) -> None:
+        super().__init__()
+        self.schedule = schedule
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        w = SCHEDULES[self.schedule](self.global_step)
+        loss = F.cross_entropy(self(x), y) * w
+        self.log("w", float(w))
+        return loss
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_math_schedule_of_global_step_is_one_graph_as_on_cpu(schedule):
+    """global_step is a graph input, and the math on it is computed in the graph: one
+    training graph for the 4 steps, never re-compiled (max_retraces=2 would refuse a step
+    re-compiled for each new global_step)."""
+    cpu = _fit("cpu", lambda: Schedule(schedule), epochs=2)
+    strategy = MNCoreStrategy(device="pfvm:cpu", preset="O0", max_retraces=2)
+    mn = _fit("mncore", lambda: Schedule(schedule), epochs=2, strategy=strategy)
+    _assert_same(cpu, mn)
+    assert mn.graphs.functions == 1
+    assert mn.trainer.strategy.retraces == 0
+
+
 # --- 11-14: values computed in the step ---------------------------------------------------------
 
 
