@@ -36,16 +36,18 @@ from mncore_device import (
     CacheOptions,
     Context,
     MNDevice,
+    TensorSpec,
     get_tensor_name,
     resolve_backend,
     set_buffer_name_in_optimizer,
     set_tensor_name,
     set_tensor_name_in_module,
 )
+from mncore_device.specs import check_input
 
 from .accelerator import MNCoreAccelerator
+from .captured_hooks import CapturedHook, UseTracer
 from .carried_state import signature as carried_signature
-from .captured_hooks import CapturedHook
 from .compiled_hooks import BatchLayout, CompiledHook, compile_hook, shape_change
 from .data import LAST_BATCH_OPTIONS, StepGroup, StepGroups, with_drop_last
 from .device_selection import resolve_device, resolve_preset
@@ -136,6 +138,7 @@ class CompiledSteps:
             raise ValueError(f"MNCORE_CAPTURE must be one of {CAPTURES}, got {self.capture!r}")
         # the hooks captured by TorchDynamo (captured_hooks.py), by stage and kind of step
         self._captured: dict[tuple, CapturedHook] = {}
+        self._traced: set[Any] = set()  # the hooks that went back to make_fx (UseTracer)
 
     # --- the accelerator and the precision plugin are ours -----------------------------------
 
@@ -251,6 +254,7 @@ class CompiledSteps:
         self._grad_buffers: dict[torch.Tensor, torch.Tensor] = {}
         self._eval_hooks = {}
         self._captured = {}
+        self._traced = set()
         self._device_is_newer = False
         self._watch_host_tensors()
         self._structure = structure_of(module, self.optimizers)
@@ -332,7 +336,10 @@ class CompiledSteps:
         window = 1 if manual else module.trainer.accumulate_grad_batches
         update = window == 1 or self._updating
         if self._is_captured_training(steps):
-            return self._captured_training_step(args, window, update)
+            try:
+                return self._captured_training_step(args, window, update)
+            except UseTracer as signal:
+                self._use_tracer("train", signal)
         counters = self._counters(rest)
         plan = accumulating, graph_update = self._train_plan(manual, window, update)
         # One graph per carried-tensor signature, kind of micro-batch (accumulating, or
@@ -378,11 +385,18 @@ class CompiledSteps:
         self._after_train_call(update, counters)
         return result
 
+    def _use_tracer(self, key: Any, signal: UseTracer) -> None:
+        """A hook the Dynamo path cannot run yet goes to the make_fx tracer for the rest of
+        the fit (captured_hooks.UseTracer), which says so once."""
+        self._traced.add(key)
+        rank_zero_info(f"MN-Core: tracing {signal.reason}; it is traced with make_fx instead")
+
     def _is_captured_training(self, steps: int | None) -> bool:
         """Whether the training step runs through the Dynamo frontend (captured_hooks.py)."""
         module = self.lightning_module
         return (
             self.capture == "dynamo"
+            and "train" not in self._traced
             and steps is None
             and module.automatic_optimization
             and type(self)._train_plan is CompiledSteps._train_plan
@@ -413,6 +427,7 @@ class CompiledSteps:
                 compile_options=self._compile_options("train"),
             )
             self._captured[key] = hook
+        self._check_captured_batch(hook, args)
         result = hook(*args)
         self._device_is_newer = True
         self._gradients = [(hook.gradient_params[k], g, 0) for k, g in hook.gradients.items()]
@@ -420,12 +435,51 @@ class CompiledSteps:
         self.last_call_steps = 1
         return result
 
-    def _compile_options(self, label: str) -> dict[str, Any]:
-        """What `Context.compile` gets for a captured hook's graphs."""
+    def _check_captured_batch(self, hook: CapturedHook, args: tuple) -> None:
+        """A training batch of other shapes than the last one inside an epoch (a short last
+        batch the loader kept) is refused, as for a traced step, unless last_batch="compile";
+        at an epoch boundary (a reloaded DataLoader) the step is compiled for the new ones."""
+        _, inputs = BatchLayout.of(args[0])
+        specs = {key: TensorSpec.of(value) for key, value in inputs.items()}
+        last = hook.batch_specs  # the epoch's full batches'
+        batch_idx = args[1] if len(args) > 1 and isinstance(args[1], int) else None
+        if last is None:
+            hook.batch_specs = specs
+        if last is None or specs == last:
+            return
+        trainer = self.lightning_module.trainer
+        batches = trainer.num_training_batches
+        if self.last_batch == "compile" and (batches == float("inf") or batch_idx == batches - 1):
+            return  # a short last batch: its own device graph (no re-compile of the step)
+        hook.batch_specs = specs
+        if batch_idx == 0:
+            change = (
+                next(
+                    f"{key} changed from {list(last[key].shape)} to {list(spec.shape)}"
+                    for key, spec in specs.items()
+                    if last.get(key) != spec
+                )
+                if specs.keys() == last.keys()
+                else "its elements changed"
+            )
+            self._retrace("training_step", f"the training batch changed: {change}")
+            return
+        for key, value in inputs.items():
+            if key in last:
+                check_input(key, last[key], value)
+
+    def _compile_options(self, stage: str) -> dict[str, Any]:
+        """What `Context.compile` gets for a captured hook's graphs; each graph's codegen
+        folder is "<stage>_<count>", as for the traced steps."""
+        root = self.codegen_dir
         return {
             "options": {"option_json": self.preset},
             "cache_options": self.cache_options,
-            "codegen_dir": self.codegen_dir / label if self.codegen_dir is not None else None,
+            "codegen_dir": (
+                (lambda: root / f"{stage}_{len(self.compiled_functions(stage))}")
+                if root is not None
+                else None
+            ),
         }
 
     def _compile_training(
@@ -565,19 +619,24 @@ class CompiledSteps:
         one per batch shape (and dataloader), so a ragged last batch costs one more compile."""
         batch, rest = args[0], args[1:]
         self._push_host_edits()  # an EMA or SWA swap, say: evaluate the weights the host holds
-        if self.capture == "dynamo":
-            key = (self._stage(), hook_name)
+        key = (self._stage(), hook_name)
+        if self.capture == "dynamo" and key not in self._traced:
             hook = self._captured.get(key)
             if hook is None:
                 hook = CapturedHook(
                     self,
                     hook_name,
                     fullgraph=self.fullgraph,
-                    compile_options=self._compile_options(f"{key[0]}_{hook_name}"),
+                    compile_options=self._compile_options(key[0]),
                 )
                 self._captured[key] = hook
-            self.compiled_calls += 1
-            return hook(*args)
+            try:
+                result = hook(*args)
+            except UseTracer as signal:
+                self._use_tracer(key, signal)
+            else:
+                self.compiled_calls += 1
+                return result
         counters = self._counters(rest)
         layout, inputs = BatchLayout.of(batch)
         hooks = self._eval_hooks.setdefault(self._stage(), [])
@@ -759,6 +818,28 @@ class CompiledSteps:
         super().teardown()
 
     # --- reporting ----------------------------------------------------------------------------------
+
+    def compiled_functions(self, stage: str | None = None) -> list[Any]:
+        """The device functions compiled so far for `stage`: "train", or an evaluation stage
+        ("sanity_check", "validate", "test", "predict"); all of them if None. A step traced
+        again (a re-compile, another batch shape) adds one."""
+        functions = []
+        for key, hook in self._captured.items():
+            if stage in (None, key[0]):
+                functions += hook.compiled
+        if stage in (None, "train"):
+            functions += [hook.compiled for hook in self._train_hooks.values()]
+        for name, hooks in self._eval_hooks.items():
+            if stage in (None, name):
+                functions += [hook.compiled for hook in hooks]
+        return functions
+
+    def training_graph_kinds(self) -> list[tuple[int, bool]]:
+        """(accumulate_grad_batches, runs the update) of each kind of training graph compiled:
+        an accumulation window has a graph for its micro-batches and one that ends it."""
+        kinds = {(key[1], key[2]) for key in self._captured if key[0] == "train"}
+        kinds |= {(key[1], key[2]) for key in self._train_hooks}
+        return sorted(kinds)
 
     def device_stats(self) -> dict[str, float]:
         """Counters for DeviceStatsMonitor."""

@@ -84,6 +84,10 @@ class _RecordingStrategy(MNCoreStrategy):
 
     def __init__(self, record: _Record, workdir: Path, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        # The report reads what the make_fx tracer compiled (its graphs, refusals and
+        # re-traces); the steps that TorchDynamo captures (captured_hooks.py) are not
+        # reported yet, so the preflight traces every step with make_fx.
+        self.capture = "trace"
         self._record = record
         self._workdir = workdir
 

@@ -14,9 +14,8 @@ class CountGraphs(Callback):
     """The training graphs the strategy compiled: (window, ends the window with the update)."""
 
     def on_train_end(self, trainer, module) -> None:
-        self.kinds = sorted(
-            (key[1], key[2]) for key in getattr(trainer.strategy, "_train_hooks", {})
-        )
+        strategy = trainer.strategy
+        self.kinds = strategy.training_graph_kinds() if hasattr(strategy, "context") else []
 
 
 def _both(**kwargs):

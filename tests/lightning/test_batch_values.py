@@ -14,6 +14,8 @@ from mncore_lightning.batch_values import BatchValueRead, BatchValues
 from tests.lightning.lightning_testing import LitClassifier, assert_state_close, make_dataset
 from tests.lightning.lightning_testing import make_trainer as _make_trainer
 
+pytestmark = pytest.mark.usefixtures("make_fx_capture")
+
 
 class Named(Dataset):
     """(x, y, "sample<i>"): collated into a list of 16 strings per batch."""
@@ -64,7 +66,11 @@ def make_trainer(accelerator, **kwargs):
 
 def _graphs(trainer) -> dict[str, int]:
     strategy = trainer.strategy
-    return {stage: len(hooks) for stage, hooks in getattr(strategy, "_eval_hooks", {}).items()}
+    if not hasattr(strategy, "compiled_functions"):
+        return {}
+    stages = ("sanity_check", "validate", "test", "predict")
+    graphs = {stage: len(strategy.compiled_functions(stage)) for stage in stages}
+    return {stage: n for stage, n in graphs.items() if n}
 
 
 class _Graphs(L.Callback):

@@ -90,6 +90,7 @@ class ReadsTheTag(TaggedClassifier):
         return LitClassifier.validation_step(self, (x * len(tag), y), batch_idx)
 
 
+@pytest.mark.usefixtures("make_fx_capture")  # the make_fx tracer's limit
 def test_a_non_tensor_element_the_step_reads_changing_inside_an_epoch_names_it():
     train = DataLoader(Tagged(["first", "second"]), batch_size=16, collate_fn=_collate)
     with pytest.raises(
@@ -108,6 +109,7 @@ def test_a_non_tensor_element_the_step_ignores_may_change_and_trains_as_cpu():
     assert trainer.strategy.retraces == 0
 
 
+@pytest.mark.usefixtures("make_fx_capture")  # the make_fx tracer's limit
 def test_eval_batches_with_changing_strings_are_reported_and_bounded():
     val = DataLoader(Tagged(["a", "b", "c", "d"]), batch_size=16, collate_fn=_collate)
     strategy = MNCoreStrategy(device="pfvm:cpu", preset="O0", max_retraces=2)

@@ -60,7 +60,9 @@ class StepCounter(Callback):
         self.sizes.add(first.shape[0])
 
     def on_train_end(self, trainer, pl_module) -> None:
-        self.graphs = len(getattr(trainer.strategy, "_train_hooks", ()))
+        strategy = trainer.strategy
+        functions = getattr(strategy, "compiled_functions", None)
+        self.graphs = len(functions("train")) if functions else 0
 
 
 def _skip_warnings(record) -> list[str]:

@@ -45,9 +45,9 @@ class BatchWatcher(Callback):
         self.indices.append(batch[2].clone())
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
-        hooks = getattr(trainer.strategy, "_eval_hooks", None)
-        if hooks is not None:
-            self.eval_graphs.append(len(hooks.get(trainer.state.stage.value, [])))
+        functions = getattr(trainer.strategy, "compiled_functions", None)
+        if functions is not None:
+            self.eval_graphs.append(len(functions(trainer.state.stage.value)))
 
 
 def _val_loader(n: int = 70, batch_size: int = 32) -> DataLoader:
@@ -147,7 +147,9 @@ def test_each_stage_has_its_own_compiled_function():
 
     class Record(Callback):
         def on_validation_epoch_end(self, trainer, pl_module):
-            stages.update({k: len(v) for k, v in trainer.strategy._eval_hooks.items()})
+            for stage in ("sanity_check", "validate", "test"):
+                if trainer.strategy.compiled_functions(stage):
+                    stages[stage] = len(trainer.strategy.compiled_functions(stage))
 
         on_test_epoch_end = on_validation_epoch_end
 

@@ -28,6 +28,8 @@ from tests.lightning.lightning_testing import (
     make_trainer,
 )
 
+pytestmark = pytest.mark.usefixtures("make_fx_capture")
+
 
 def _same_run(model_cls, **kwargs):
     runs = [

@@ -27,6 +27,8 @@ from tests.lightning.lightning_testing import (
     loader,
 )
 
+pytestmark = pytest.mark.usefixtures("make_fx_capture")
+
 
 def _both(**kwargs):
     return [fit_once(accelerator, **kwargs) for accelerator in ("cpu", "mncore")]

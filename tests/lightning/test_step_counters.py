@@ -17,6 +17,8 @@ from lightning.pytorch.callbacks import Callback
 from mncore_device import StaticGraphError
 from tests.lightning.lightning_testing import ATOL, LitClassifier, assert_state_close, fit_once
 
+pytestmark = pytest.mark.usefixtures("make_fx_capture")
+
 
 class LoggedPerStep(Callback):
     """What each training step logged, read after the step."""

@@ -51,7 +51,8 @@ class LoggingClassifier(LitClassifier):
         self.batch_ends.append((batch_idx, self.trainer.global_step, len(batch)))
 
     def on_train_end(self):
-        self.train_graphs = len(getattr(self.trainer.strategy, "_train_hooks", {}))
+        functions = getattr(self.trainer.strategy, "compiled_functions", None)
+        self.train_graphs = len(functions("train")) if functions else 0
 
 
 def _fit(accelerator: str, steps_per_call: int = 1, **model_kwargs):

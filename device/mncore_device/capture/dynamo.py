@@ -37,15 +37,28 @@ from .._source import user_frame
 from ..errors import StaticGraphError
 from .scalars import ScalarsAsTensors
 
-# Dynamo's settings while a step is captured (they matter when it traces, not between):
-# `.item()` stays in the graph as a value; an int attribute of a module that changes becomes
-# a graph input, as one of any other object does, instead of re-compiling at every change.
-_CAPTURE_CONFIG = {
+# Dynamo's settings for a captured step: `.item()` stays in the graph as a value; an int
+# attribute of a module that changes becomes a graph input, as one of any other object does,
+# instead of re-compiling at every change; an nn.LSTM or GRU is traced as any module. They
+# are set for the whole process when a frontend is made (setting them around every call would
+# cost ~100 us a step); they only let more of any torch.compile'd code into its graphs.
+_DYNAMO_CONFIG = {
     "capture_scalar_outputs": True,
-    "allow_rnn": True,  # an nn.LSTM or GRU is traced (as any module), not a graph break
     "allow_unspec_int_on_nn_module": True,
-    "fail_on_recompile_limit_hit": True,
+    "allow_rnn": True,
 }
+
+
+def _configure_dynamo(dynamic_sources: Sequence[str]) -> None:
+    """Set _DYNAMO_CONFIG, and add `dynamic_sources` to torch.compiler's (once each)."""
+    for key, value in _DYNAMO_CONFIG.items():
+        if getattr(torch._dynamo.config, key) != value:
+            setattr(torch._dynamo.config, key, value)
+    present = [s for s in torch.compiler.config.dynamic_sources.split(",") if s]
+    missing = [s for s in dynamic_sources if s not in present]
+    if missing:
+        torch.compiler.config.dynamic_sources = ",".join(present + missing)
+
 
 NumberOrTensor = torch.Tensor | int | float | bool
 MUTATED_PREFIX = "mutated/"
@@ -130,7 +143,9 @@ class CapturedGraph:
         for node, example in zip(placeholders, examples, strict=True):
             grapharg = node.meta.get("grapharg")
             source = grapharg.source.name if grapharg is not None else node.name
-            if getattr(grapharg, "pass_arg_as_tensor", False):  # a Python number, as a tensor
+            if getattr(grapharg, "pass_arg_as_tensor", False) and example.dim() == 0:
+                # a Python number (or NumPy scalar), passed as a 0-d tensor; a NumPy array
+                # is passed as a tensor too (pass_arg_as_tensor), and is a TENSOR input
                 kind = InputKind.NUMBER
                 example = example.item()
             elif isinstance(example, torch.Tensor):
@@ -277,7 +292,7 @@ class DynamoFrontend:
         dynamic_sources: Sequence[str] = (),
     ) -> None:
         self._compile_graph = compile_graph
-        self._dynamic_sources = ",".join(dynamic_sources)
+        _configure_dynamo(dynamic_sources)
         self._is_state = is_state
         self._on_retrace = on_retrace or (lambda reason: None)
         self._failed_guard: str | None = None
@@ -290,33 +305,28 @@ class DynamoFrontend:
             self._backend,
             nopython=fullgraph,
             guard_fail_fn=self._guard_failed,
-            recompile_limit=max_retraces + 1,
+            # past max_retraces, _backend raises; Dynamo's own limit (after which it would run
+            # the step eagerly, on the host) is never reached
+            recompile_limit=max_retraces + 2,
         )(_own_frame(function))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with (
-            torch._dynamo.config.patch(_CAPTURE_CONFIG),
-            torch.compiler.config.patch(dynamic_sources=self._dynamic_sources),
-            self._recording_breaks(),
-        ):
+        with self._recording_breaks():
             try:
                 return self._compiled(*args, **kwargs)
             except torch._dynamo.exc.BackendCompilerFailed as error:
                 raise error.inner_exception.with_traceback(
                     error.inner_exception.__traceback__
                 ) from None
-            except torch._dynamo.exc.FailOnRecompileLimitHit:
-                raise StaticGraphError(
-                    f"the compiled step was traced again more than max_retraces="
-                    f"{self.max_retraces} times; the guard that keeps failing: "
-                    f"{self._failed_guard}. A value the step reads changes at every call: make "
-                    "it a tensor, or raise max_retraces."
-                ) from None
             except torch._dynamo.exc.Unsupported as error:
                 if not self.fullgraph:
                     raise
+                stack = list(getattr(error, "real_stack", None) or [])
+                where = user_frame(stack) if stack else None
                 raise StaticGraphError(
-                    f"fullgraph=True: the step cannot be one graph: {error}"
+                    f"fullgraph=True: the step cannot be one graph"
+                    + (f", at {where}" if where else "")
+                    + f": {error}"
                 ) from None
 
     @property
@@ -325,7 +335,11 @@ class DynamoFrontend:
         return len(self.breaks) + 1
 
     def _guard_failed(self, failure: Any) -> None:
-        self._failed_guard = failure.reason
+        """Dynamo checks the guards of each graph it has (newest first) before it compiles
+        again: the reason reported is the newest graph's."""
+        newest = _compile_id(self._failed_guard)
+        if self._failed_guard is None or _compile_id(failure.reason) >= newest:
+            self._failed_guard = failure.reason
 
     def _backend(self, graph_module: fx.GraphModule, examples: list[Any]) -> Callable[..., Any]:
         captured = CapturedGraph.of(graph_module, examples, self._is_state, len(self.graphs))
@@ -333,6 +347,13 @@ class DynamoFrontend:
             reason = self._failed_guard
             self._failed_guard = None
             self.retraces.append(reason)
+            if len(self.retraces) > self.max_retraces:
+                raise StaticGraphError(
+                    f"the compiled step was traced again {len(self.retraces)} times, more than "
+                    f"max_retraces={self.max_retraces}; the guard that failed last: {reason}. "
+                    "A value the step reads changes at every call: make it a tensor, or raise "
+                    "max_retraces."
+                )
             self._on_retrace(reason)
         self.graphs.append(captured)
         return _GraphCall(captured, self._compile_graph, self._on_retrace)
@@ -361,6 +382,15 @@ class DynamoFrontend:
             yield
         finally:
             InstructionTranslatorBase.log_graph_break = log
+
+
+def _compile_id(reason: str | None) -> tuple[int, ...]:
+    """The "frame/compile" id a guard failure's reason starts with ("0/3: x == 2")."""
+    head = (reason or "").split(":", 1)[0]
+    try:
+        return tuple(int(part) for part in head.split("/"))
+    except ValueError:
+        return (-1,)
 
 
 def _own_frame(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -426,8 +456,9 @@ class _GraphCall:
 
     def _add_for(self, args: Sequence[Any]) -> tuple[CapturedGraph, DeviceFunction]:
         base = self._captured
-        changed = base.constants_differ(args) or "the shapes of its tensor inputs changed"
-        self._on_retrace(changed)
+        changed = base.constants_differ(args)
+        if changed:  # another shape is not reported: the caller knows which ones it expects
+            self._on_retrace(changed)
         return self._add(base.with_examples(args))
 
 

@@ -40,8 +40,38 @@ _COMPARE: dict[Any, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     operator.gt: torch.gt,
     operator.ge: torch.ge,
 }
+_LOGICAL: dict[Any, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    operator.and_: torch.logical_and,
+    operator.or_: torch.logical_or,
+    operator.xor: torch.logical_xor,
+}
+_RANGE_HINTS = {
+    torch.ops.aten.sym_constrain_range.default,
+    torch.ops.aten.sym_constrain_range_for_size.default,
+}
+_ROUNDING: dict[Any, Callable[[torch.Tensor], torch.Tensor]] = {
+    math.floor: torch.floor,
+    math.ceil: torch.ceil,
+    math.trunc: torch.trunc,
+}
 _UNARY_FLOAT: dict[Any, Callable[[torch.Tensor], torch.Tensor]] = {
-    torch._sym_sqrt: torch.sqrt,
+    # what Dynamo records for math.cos(n) and the like of a number that changes (a SymInt)
+    **{
+        getattr(torch, f"_sym_{name}"): getattr(torch, name)
+        for name in (
+            "sqrt",
+            "cos",
+            "sin",
+            "tan",
+            "cosh",
+            "sinh",
+            "tanh",
+            "acos",
+            "asin",
+            "atan",
+            "log2",
+        )
+    },
     math.sqrt: torch.sqrt,
     math.exp: torch.exp,
     math.log: torch.log,
@@ -120,6 +150,11 @@ class ScalarsAsTensors(fx.Interpreter):
             return self._number(self._as_number(args[0]))
         if target is torch.scalar_tensor and self._is_number(args[0]):
             return args[0].to(kwargs.get("dtype") or torch.get_default_dtype())
+        if numbers and target is torch.ops.aten._assert_scalar.default:
+            # Dynamo's runtime check on a number: checked in the graph, on the device
+            return torch.ops.aten._assert_async.msg(args[0].bool(), args[1])
+        if numbers and target in _RANGE_HINTS:
+            return None  # what Dynamo assumes of a number's range: nothing to compute
         if numbers and self._only_numbers(args, kwargs):
             result = self._number_op(target, args)
             if result is not NotImplemented:
@@ -133,11 +168,21 @@ class ScalarsAsTensors(fx.Interpreter):
             return args[0]  # a number given as such (a fixed one)
         if target == "item" and isinstance(args[0], torch.Tensor):
             return self._number(self._as_number(args[0].detach()))  # a number has no grad
+        if target == "__round__" and self._is_number(args[0]):
+            return self._round(args[0], args[1] if len(args) > 1 else None)
         if any(self._is_number(a) for a in (*args, *kwargs.values())):
             if self._is_number(args[0]):
                 raise TypeError(f"a Python number has no method {target!r} in a compiled step")
             args, kwargs = self._cast_for_tensor_op(args, kwargs)
         return super().call_method(target, args, kwargs)
+
+    def _round(self, value: torch.Tensor, ndigits: Any) -> torch.Tensor:
+        """round(x) is an int and round(x, n) a float, halves to even, as in Python."""
+        if not value.is_floating_point():
+            return value
+        if ndigits is None:
+            return self._number(torch.round(value.double()).long())
+        return self._number(torch.round(value.double(), decimals=int(ndigits)))
 
     def _only_numbers(self, args: tuple, kwargs: dict) -> bool:
         """No real tensor among the arguments: Python arithmetic on numbers."""
@@ -166,6 +211,10 @@ class ScalarsAsTensors(fx.Interpreter):
                 values = [v.double() for v in values]
             op = torch.minimum if target in (torch.sym_min, min) else torch.maximum
             return self._number(op(*values))
+        if target in _ROUNDING:  # math.floor(x) and the like: an int
+            return self._number(
+                _ROUNDING[target](values[0].double()).long() if floating else values[0]
+            )
         if target in _UNARY_FLOAT:
             return self._number(_UNARY_FLOAT[target](values[0].double()))
         if target is torch.sym_float:
@@ -174,6 +223,15 @@ class ScalarsAsTensors(fx.Interpreter):
             return self._number(torch.trunc(values[0]).long() if floating else values[0])
         if target in _COMPARE:
             return self._number(_COMPARE[target](*values))
+        if target is torch.sym_ite:  # `a if c else b` on a symbolic condition
+            then, other = values[1:]
+            if then.is_floating_point() or other.is_floating_point():
+                then, other = then.double(), other.double()
+            return self._number(torch.where(values[0].bool(), then, other))
+        if target is torch.sym_not:
+            return self._number(torch.logical_not(values[0]))
+        if target in _LOGICAL:
+            return self._number(_LOGICAL[target](values[0].bool(), values[1].bool()))
         return NotImplemented
 
     def _cast_for_tensor_op(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
