@@ -9,7 +9,7 @@ MNCORE_CAPTURE=dynamo), side by side.
     of one on which a tiny model was compiled (bench_compile.py's "cold": Inductor's one-time
     CPU probes are built, nothing of these models is cached).
   - guards: what the Dynamo frontend adds to a call on top of its device function (guards,
-    Dynamo's entry, the config patches, the mapping of arguments), in microseconds, with the
+    Dynamo's entry, noting graph breaks, the mapping of arguments), in microseconds, with the
     device graph's executor replaced by its cached outputs; split into its parts; and the
     strategy's whole host-side cost of a training step (graph excluded), trace vs dynamo, in
     one process. Also the frontend's floor: a one-op function through DynamoFrontend.
@@ -263,7 +263,7 @@ def _frontend_parts(hook, batch, graph_call, step, calls: int) -> dict:
     """The parts of one training-step call of `hook` (a CapturedHook) on the host, its
     device graph replayed: the strategy's whole step, the hook, the frontend, Dynamo's entry
     and guards, the graph call (`_GraphCall`) and its device function, and what the frontend
-    does around Dynamo (the config patches)."""
+    does around Dynamo (noting graph breaks)."""
     from mncore_device.capture import dynamo
 
     frontend = hook.frontend
@@ -275,16 +275,13 @@ def _frontend_parts(hook, batch, graph_call, step, calls: int) -> dict:
     logged = hook._logs.calls  # emptied before each call, as CapturedHook does (a guard)
 
     def patches():
-        with (
-            dynamo.torch._dynamo.config.patch(dynamo._CAPTURE_CONFIG),
-            dynamo.torch.compiler.config.patch(dynamic_sources=frontend._dynamic_sources),
-            frontend._recording_breaks(),
-        ):
+        with frontend._recording_breaks():
             pass
 
     def log_methods():
-        module.log, module.log_dict = hook._log, hook._log_dict
-        del module.log, module.log_dict
+        state = module.__dict__
+        state["log"], state["log_dict"] = hook._log, hook._log_dict
+        del state["log"], state["log_dict"]
 
     hook(batch, 5)
     (name, value, log_args, log_kwargs), *_ = logged
@@ -309,7 +306,7 @@ def _frontend_parts(hook, batch, graph_call, step, calls: int) -> dict:
         parts |= _per_call_us(
             {
                 "frontend(*args)": lambda: (logged.clear(), frontend(batch, 5)),
-                "config patches + _recording_breaks": patches,
+                "_recording_breaks": patches,
                 "Dynamo entry + guards + _GraphCall": lambda: (
                     logged.clear(),
                     frontend._compiled(batch, 5),
@@ -354,7 +351,7 @@ def _trivial_frontend(calls: int) -> dict:
     to the same function under torch.compile(backend="eager") and eager."""
     import torch
 
-    from mncore_device.capture import DynamoFrontend, dynamo
+    from mncore_device.capture import DynamoFrontend
 
     x = torch.randn(4)
 
@@ -367,20 +364,10 @@ def _trivial_frontend(calls: int) -> dict:
     compiled = torch.compile(lambda t: t * 2, backend="eager")
     compiled(x)
 
-    def dynamo_config_patch():
-        with torch._dynamo.config.patch(dynamo._CAPTURE_CONFIG):
-            pass
-
-    def compiler_config_patch():
-        with torch.compiler.config.patch(dynamic_sources=frontend._dynamic_sources):
-            pass
-
     times = _per_call_us(
         {
             "frontend(x)": lambda: frontend(x),
-            "frontend._compiled(x) (no config patches)": lambda: frontend._compiled(x),
-            "torch._dynamo.config.patch(_CAPTURE_CONFIG) enter+exit": dynamo_config_patch,
-            "torch.compiler.config.patch(dynamic_sources) enter+exit": compiler_config_patch,
+            "frontend._compiled(x) (Dynamo alone)": lambda: frontend._compiled(x),
             'torch.compile(backend="eager")(x)': lambda: compiled(x),
             "eager x * 2": lambda: x * 2,
         },
@@ -594,7 +581,7 @@ def _print_table(report: dict) -> None:
         key = "frontend overhead (frontend - device function)"
         row(f"MLP: Dynamo {key}, us", None, d[key], "<= 20 us", 1)
         for key, name in (
-            ("config patches + _recording_breaks", "of which the config patches"),
+            ("_recording_breaks", "of which noting graph breaks"),
             ("Dynamo entry + guards (alone)", "of which Dynamo's entry and guard checks"),
             ("_GraphCall(*graph_args)", "of which _GraphCall (with the device function)"),
             ("device function (run: CompiledFunction + to_host)", "device function alone"),

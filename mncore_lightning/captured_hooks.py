@@ -29,6 +29,7 @@ from lightning.pytorch import LightningModule
 
 from mncore_device import Context, StaticGraphError
 from mncore_device.capture import CapturedGraph, DynamoFrontend, traced_call
+from mncore_device.capture.dynamo import own_code
 
 from .compiled_hooks import _DerivedLog, _LogCall, _loss_of, backward_and_update
 
@@ -140,7 +141,10 @@ class CapturedHook:
         self.compiled: list[Any] = []  # the device functions, one per graph
         self._failed_guards: set[str] = set()
         self._derived: dict[tuple[int, str, int | None], Any] = {}  # by log call: see _replay_logs
-        self.batch_specs: dict[str, Any] | None = None  # the last batch's (the strategy's)
+        self.batch_specs: dict[str, Any] | None = None
+        self.batch_shapes: list[Any] | None = (
+            None  # the last batch's, to compare cheaply  # the last batch's (the strategy's)
+        )
         self._update = traced_call(f"mncore_{hook_name}_update") if optimizer else None
         user_hook = getattr(module, hook_name)
         precision = strategy.precision_plugin
@@ -156,7 +160,7 @@ class CapturedHook:
             return output
 
         self.frontend = DynamoFrontend(
-            step,
+            own_code(step),  # a frame Dynamo may compile on its own: its cache is this hook's
             self._compile_graph,
             is_state=self.context.is_registered,
             fullgraph=fullgraph,

@@ -28,6 +28,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.utils._pytree import tree_leaves
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
@@ -439,6 +440,10 @@ class CompiledSteps:
         """A training batch of other shapes than the last one inside an epoch (a short last
         batch the loader kept) is refused, as for a traced step, unless last_batch="compile";
         at an epoch boundary (a reloaded DataLoader) the step is compiled for the new ones."""
+        shapes = [(t.shape, t.dtype) for t in tree_leaves(args[0]) if isinstance(t, torch.Tensor)]
+        if shapes == hook.batch_shapes:  # the common case, every step: cheap
+            return
+        hook.batch_shapes = shapes
         _, inputs = BatchLayout.of(args[0])
         specs = {key: TensorSpec.of(value) for key, value in inputs.items()}
         last = hook.batch_specs  # the epoch's full batches'

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from enum import StrEnum
@@ -41,11 +42,15 @@ from .scalars import ScalarsAsTensors
 # attribute of a module that changes becomes a graph input, as one of any other object does,
 # instead of re-compiling at every change; an nn.LSTM or GRU is traced as any module. They
 # are set for the whole process when a frontend is made (setting them around every call would
-# cost ~100 us a step); they only let more of any torch.compile'd code into its graphs.
+# cost ~100 us a step); they let more of any torch.compile'd code into its graphs, and make a
+# torch.compile'd region past its re-compile limit raise rather than run eagerly.
 _DYNAMO_CONFIG = {
     "capture_scalar_outputs": True,
     "allow_unspec_int_on_nn_module": True,
     "allow_rnn": True,
+    # past a re-compile limit Dynamo would run a frame eagerly, silently: for a captured step
+    # that is the host instead of the device (and no update). It raises instead.
+    "fail_on_recompile_limit_hit": True,
 }
 
 
@@ -166,14 +171,20 @@ class CapturedGraph:
         """The device function's inputs for the examples (what compile traces with)."""
         return self.device_inputs(self.examples)
 
+    @functools.cached_property
+    def _positions(self) -> dict[InputKind, list[tuple[int, str]]]:
+        """(position, name) of the inputs of each kind: what every call maps."""
+        positions: dict[InputKind, list[tuple[int, str]]] = {kind: [] for kind in InputKind}
+        for index, spec in enumerate(self.inputs):
+            positions[spec.kind].append((index, spec.name))
+        return positions
+
     def device_inputs(self, args: Sequence[Any]) -> dict[str, torch.Tensor]:
         """The device function's inputs for Dynamo's arguments of one call."""
-        inputs = {}
-        for spec, value in zip(self.inputs, args, strict=True):
-            if spec.kind is InputKind.TENSOR:
-                inputs[spec.name] = value
-            elif spec.kind is InputKind.NUMBER:
-                inputs[spec.name] = ScalarsAsTensors._as_number(value)
+        positions = self._positions
+        inputs = {name: args[i] for i, name in positions[InputKind.TENSOR]}
+        for i, name in positions[InputKind.NUMBER]:
+            inputs[name] = ScalarsAsTensors._as_number(args[i])
         return inputs
 
     def constants_differ(self, args: Sequence[Any]) -> str | None:
@@ -204,7 +215,11 @@ class CapturedGraph:
                 values.append(example)  # the registered tensor, or the fixed number
         numbers = {s.name for s in self.inputs if s.kind is InputKind.NUMBER}
         outputs = ScalarsAsTensors(self.graph_module, numbers, calls).run(*values)
-        result = {str(i): value for i, value in enumerate(outputs)}
+        # a number computed only from fixed ones is a Python number: an output as a tensor
+        result = {
+            str(i): value if isinstance(value, torch.Tensor) else torch.tensor(value)
+            for i, value in enumerate(outputs)
+        }
         for name, (tensor, version) in tensors.items():
             if tensor._version != version:
                 result[MUTATED_PREFIX + name] = tensor
@@ -215,13 +230,16 @@ class CapturedGraph:
     ) -> list[NumberOrTensor]:
         """What Dynamo's code expects back (numbers as Python numbers), after writing the new
         value of each tensor input the graph changed in place into the caller's tensor."""
-        for spec, value in zip(self.inputs, args, strict=True):
-            new = outputs.get(MUTATED_PREFIX + spec.name)
-            if new is not None:
-                with torch.no_grad():
-                    value.copy_(new)
-        values = [outputs[str(i)] for i in range(len(self.number_outputs))]
-        return [v.item() if n else v for v, n in zip(values, self.number_outputs, strict=True)]
+        if len(outputs) > len(self.number_outputs):  # some inputs were changed in place
+            for i, name in self._positions[InputKind.TENSOR]:
+                new = outputs.get(MUTATED_PREFIX + name)
+                if new is not None:
+                    with torch.no_grad():
+                        args[i].copy_(new)
+        return [
+            outputs[str(i)].item() if number else outputs[str(i)]
+            for i, number in enumerate(self.number_outputs)
+        ]
 
     def with_constants(self, names: set[str]) -> CapturedGraph:
         """The same graph with the numbers `names` fixed (an op needs them as numbers)."""
@@ -318,13 +336,19 @@ class DynamoFrontend:
                 raise error.inner_exception.with_traceback(
                     error.inner_exception.__traceback__
                 ) from None
+            except torch._dynamo.exc.FailOnRecompileLimitHit as error:
+                raise StaticGraphError(
+                    f"the compiled step was traced again too often (more than max_retraces="
+                    f"{self.max_retraces}); the guard that failed last: {self._failed_guard}. "
+                    f"({error})"
+                ) from None
             except torch._dynamo.exc.Unsupported as error:
                 if not self.fullgraph:
                     raise
                 stack = list(getattr(error, "real_stack", None) or [])
                 where = user_frame(stack) if stack else None
                 raise StaticGraphError(
-                    f"fullgraph=True: the step cannot be one graph"
+                    "fullgraph=True: the step cannot be one graph"
                     + (f", at {where}" if where else "")
                     + f": {error}"
                 ) from None
@@ -391,6 +415,18 @@ def _compile_id(reason: str | None) -> tuple[int, ...]:
         return tuple(int(part) for part in head.split("/"))
     except ValueError:
         return (-1,)
+
+
+def own_code(function: types.FunctionType) -> types.FunctionType:
+    """A copy of `function` with a code object of its own (see _own_frame): a function that
+    many frontends call (a wrapper of the framework's) keeps what Dynamo learns apart."""
+    return types.FunctionType(
+        function.__code__.replace(),
+        function.__globals__,
+        function.__name__,
+        function.__defaults__,
+        function.__closure__,
+    )
 
 
 def _own_frame(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -464,10 +500,7 @@ class _GraphCall:
 
 def _key(captured: CapturedGraph, args: Sequence[Any]) -> tuple:
     """What selects a device function: tensor shapes and dtypes, and fixed numbers."""
-    key = []
-    for spec, value in zip(captured.inputs, args, strict=True):
-        if spec.kind is InputKind.TENSOR:
-            key.append((tuple(value.shape), value.dtype))
-        elif spec.kind is InputKind.CONSTANT:
-            key.append(_number(value))
+    positions = captured._positions
+    key = [(args[i].shape, args[i].dtype) for i, _ in positions[InputKind.TENSOR]]
+    key += [_number(args[i]) for i, _ in positions[InputKind.CONSTANT]]
     return tuple(key)

@@ -14,13 +14,23 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
+
+from ..errors import StaticGraphError
 
 
 def traced_call(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """A new marker named `name`: `marker(tensor)` is one graph node with a side effect
-    (never removed as unused); outside a device trace it returns `tensor.detach()`."""
+    (never removed as unused). Dynamo runs it on fake tensors only (to learn its output, a
+    detached copy); run on a real tensor, the step ran eagerly, and it raises."""
 
     def marker(tensor: torch.Tensor) -> torch.Tensor:
+        if not is_fake(tensor):  # Dynamo ran the step eagerly, on the host: its work is lost
+            raise StaticGraphError(
+                f"{name} ran on the host instead of in a device graph: TorchDynamo ran the step "
+                "eagerly (past its re-compile limit, or a graph break at this call), so its "
+                "backward and update would be skipped"
+            )
         return tensor.detach()
 
     marker.__name__ = marker.__qualname__ = name
