@@ -105,6 +105,7 @@ class ScalarsAsTensors(fx.Interpreter):
         self._numbers = numbers
         self._calls = calls
         self._scalar: set[int] = set()  # ids of the tensors that stand for Python numbers
+        self._alive: list[torch.Tensor] = []  # those tensors, kept alive for the run
 
     # -- numbers -----------------------------------------------------------------------------
 
@@ -113,6 +114,7 @@ class ScalarsAsTensors(fx.Interpreter):
 
     def _number(self, value: torch.Tensor) -> torch.Tensor:
         self._scalar.add(id(value))
+        self._alive.append(value)  # an id is unique only while its object lives
         return value
 
     @staticmethod
