@@ -9,18 +9,24 @@ momentum=0.9)` (momentum buffers created up front, as device state must be):
 - torch.compile: the same step around `torch.compile(model)` (default mode: Inductor compiles
   the forward and AOTAutograd's backward; cross entropy and the optimizer run eagerly);
 - mncore: the whole step (optimizer included) compiled as one graph with `mncore_device`'s
-  `Context.compile` at `--preset` (default O1) on `pfvm:cpu`.
+  `Context.compile` at `--preset` (default O1) on `pfvm:cpu`. Several presets (names or
+  preset JSON files) are timed side by side, one table row each: a before/after in one
+  process.
 
 After warm-up, the three are timed interleaved, in `--rounds` rounds of a few steps each
 (about half a second of steps per round and runner); the table shows the medians in ms per
 step, the ratios (mncore against torch.compile and against eager: above 1 means mncore is
-faster) and the cold compile seconds of torch.compile (its first step) and of mncore.
+faster), the same ratios of the process's CPU time per step (at 1 thread, time the process
+was descheduled by other jobs on a shared machine does not count there), and the cold
+compile seconds of torch.compile (its first step) and of mncore.
 Before either compiles, the process compiles a tiny function both ways, so that neither
 pays Inductor's one-off costs (its import, the CPU probes, building the precompiled header):
 the compile seconds are those of a new model on a machine that has compiled before.
 "loss diff" compares torch.compile's and mncore's losses with eager's, at their first step
-(the same weights and batch: rounding only) and at the last timed step (after some tens of
-steps on one batch, where rounding differences have grown).
+(the same weights, batch and random seed: rounding only, except that torch.compile's
+dropout draws from Inductor's own generator, other numbers) and at the last timed step
+(after some tens of steps on one batch, where rounding differences have grown, and dropout
+masks differ).
 
     python benchmarks/bench_vs_torch_compile.py [--models resnet18 mobilenet_v2 mlp ...]
         [--batch 32 4] [--threads 1 2] [--image-size 32] [--rounds 5] [--preset O1]
@@ -67,8 +73,9 @@ def model_and_batch(name: str, batch: int, image_size: int):
     return model, data
 
 
-def _warm_up_inductor(preset: str) -> None:
-    """A tiny step compiled both ways: Inductor's one-off costs are paid before the models'."""
+def _warm_up_inductor(preset: str | None) -> None:
+    """A tiny step compiled with torch.compile and (unless `preset` is None) at `preset`:
+    Inductor's one-off costs are paid before the models' compiles."""
     import torch
     import torch.nn as nn
 
@@ -77,6 +84,8 @@ def _warm_up_inductor(preset: str) -> None:
     model = nn.Linear(8, 4)
     data = {"x": torch.randn(2, 8), "t": torch.randint(0, 4, (2,))}
     make_step(torch.compile(model), bench_zoo.make_sgd(model.parameters()))(data)
+    if preset is None:
+        return
     twin = copy.deepcopy(model)
     context = Context(MNDevice("pfvm:cpu"))
     Context.switch_context(context)
@@ -85,13 +94,26 @@ def _warm_up_inductor(preset: str) -> None:
     context.compile(make_step(twin, optimizer), data, options={"option_json": preset})(data)
 
 
-def measure(name: str, batch: int, image_size: int, rounds: int, preset: str) -> dict:
-    """Compile seconds and median ms per step of eager, torch.compile and mncore, interleaved."""
+def measure(
+    name: str,
+    batch: int,
+    image_size: int,
+    rounds: int,
+    presets: list[str],
+    warm_up: bool = True,
+    round_seconds: float = ROUND_SECONDS,
+) -> dict:
+    """Compile seconds and median ms per step of eager, torch.compile and mncore at each
+    preset (runner "mncore <preset>"), interleaved. warm_up=False: no tiny compiles first
+    (compile seconds then include Inductor's one-off costs)."""
     import torch
 
     from mncore_device import Context, MNDevice
+    from mncore_device.presets import load_preset
 
-    _warm_up_inductor(preset)
+    inductor = [p for p in presets if load_preset(p).executor == "inductor"]
+    if warm_up:
+        _warm_up_inductor(inductor[0] if inductor else None)
     model, data = model_and_batch(name, batch, image_size)
     eager_model, tc_model = copy.deepcopy(model), copy.deepcopy(model)
     runners = {"eager": make_step(eager_model, bench_zoo.make_sgd(eager_model.parameters()))}
@@ -100,18 +122,23 @@ def measure(name: str, batch: int, image_size: int, rounds: int, preset: str) ->
     compiled_model = torch.compile(tc_model)
     tc_step = make_step(compiled_model, bench_zoo.make_sgd(tc_model.parameters()))
     start = time.perf_counter()
+    torch.manual_seed(0)  # each runner's first step draws from the same seed
     first = {"torch.compile": tc_step(data)["loss"].item()}  # compiles forward and backward
     compile_seconds["torch.compile"] = time.perf_counter() - start
     runners["torch.compile"] = tc_step
 
-    context = Context(MNDevice("pfvm:cpu"))
-    Context.switch_context(context)
-    optimizer = bench_zoo.make_sgd(model.parameters())
-    registered(context, model, optimizer)
-    compiled = context.compile(make_step(model, optimizer), data, options={"option_json": preset})
-    compile_seconds["mncore"] = compiled.compile_seconds
-    runners["mncore"] = compiled
-    for key in ("eager", "mncore"):  # torch.compile's took one step: all have now
+    for preset in presets:
+        twin = copy.deepcopy(model)
+        context = Context(MNDevice("pfvm:cpu"))
+        Context.switch_context(context)
+        optimizer = bench_zoo.make_sgd(twin.parameters())
+        registered(context, twin, optimizer)
+        step = make_step(twin, optimizer)
+        compiled = context.compile(step, data, options={"option_json": preset})
+        compile_seconds[f"mncore {preset}"] = compiled.compile_seconds
+        runners[f"mncore {preset}"] = compiled
+    for key in runners.keys() - {"torch.compile"}:  # torch.compile's took one step: now all
+        torch.manual_seed(0)
         first[key] = runners[key](data)["loss"].item()
 
     start = time.perf_counter()
@@ -119,26 +146,27 @@ def measure(name: str, batch: int, image_size: int, rounds: int, preset: str) ->
         for run in runners.values():
             run(data)["loss"].item()
     per_step = (time.perf_counter() - start) / 2 / len(runners)
-    steps = max(1, round(ROUND_SECONDS / per_step))
+    steps = max(1, round(round_seconds / per_step))
     times: dict[str, list[float]] = {k: [] for k in runners}
+    cpu_times: dict[str, list[float]] = {k: [] for k in runners}
     losses: dict[str, list[float]] = {k: [] for k in runners}
     for _ in range(rounds):
         for key, run in runners.items():
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             for _ in range(steps):
                 loss = run(data)["loss"]
             losses[key].append(loss.item())
             times[key].append((time.perf_counter() - start) / steps)
+            cpu_times[key].append((time.process_time() - cpu_start) / steps)
     ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
     return {
-        "preset": preset,
+        "presets": presets,
         "steps_per_round": steps,
         "rounds": rounds,
         "ms_per_step": ms,
         "round_ms": {k: [1e3 * t for t in v] for k, v in times.items()},
+        "cpu_ms_per_step": {k: 1e3 * statistics.median(v) for k, v in cpu_times.items()},
         "compile_seconds": compile_seconds,
-        "mncore_vs_torch_compile": ms["torch.compile"] / ms["mncore"],
-        "mncore_vs_eager": ms["eager"] / ms["mncore"],
         "first_loss_diff": {k: abs(first[k] - first["eager"]) for k in runners},
         "last_loss_diff": {k: abs(losses[k][-1] - losses["eager"][-1]) for k in runners},
     }
@@ -151,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--image-size", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--preset", default="O1")
+    parser.add_argument("--preset", nargs="+", default=["O1"], help="names or JSON files")
     parser.add_argument("--out", default="benchmarks/results/vs_torch_compile.json")
     parser.add_argument("--table", action="store_true", help="print --out as a Markdown table")
     parser.add_argument("--_child", nargs=3, type=int, default=None, help=argparse.SUPPRESS)
@@ -175,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
             for threads in args.threads:
                 key = f"{name}/{batch}/{threads}"
                 child = [sys.executable, __file__, "--models", name, "--rounds", str(args.rounds)]
-                child += ["--preset", args.preset, "--_child", str(batch), str(threads)]
+                child += ["--preset", *args.preset, "--_child", str(batch), str(threads)]
                 child.append(str(args.image_size))
                 with tempfile.TemporaryDirectory() as cache:
                     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
@@ -201,25 +229,29 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def markdown_table(report: dict, header: bool = True) -> str:
-    """One row per model, batch and thread count."""
+    """One row per model, batch, thread count and preset."""
     head = [
-        "model", "batch", "threads", "eager (ms)", "torch.compile (ms)", "mncore (ms)",
-        "mncore vs torch.compile", "mncore vs eager", "compile tc / mncore (s)", "loss diff tc, mncore: first, last step",
+        "model", "batch", "threads", "preset", "eager (ms)", "torch.compile (ms)", "mncore (ms)",
+        "mncore vs torch.compile", "mncore vs eager", "the same in CPU time",
+        "compile tc / mncore (s)",
+        "loss diff vs eager, tc / mncore: first step; last",
     ]  # fmt: skip
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] if header else []
     for r in report.values():
-        ms, cs = r["ms_per_step"], r["compile_seconds"]
-        cells = [
-            r["model"], str(r["batch"]), str(r["threads"]),
-            f"{ms['eager']:.1f}", f"{ms['torch.compile']:.1f}", f"{ms['mncore']:.1f}",
-            f"{r['mncore_vs_torch_compile']:.2f}x", f"{r['mncore_vs_eager']:.2f}x",
-            f"{cs['torch.compile']:.1f} / {cs['mncore']:.1f}",
-            "; ".join(
-                ", ".join(f"{r[d][k]:.1g}" for k in ("torch.compile", "mncore"))
-                for d in ("first_loss_diff", "last_loss_diff")
-            ),
-        ]  # fmt: skip
-        rows.append("| " + " | ".join(cells) + " |")
+        ms, cpu, cs = r["ms_per_step"], r["cpu_ms_per_step"], r["compile_seconds"]
+        first, last = r["first_loss_diff"], r["last_loss_diff"]
+        tc = "torch.compile"
+        for preset in r["presets"]:
+            mn = f"mncore {preset}"
+            cells = [
+                r["model"], str(r["batch"]), str(r["threads"]), Path(preset).stem,
+                f"{ms['eager']:.1f}", f"{ms[tc]:.1f}", f"{ms[mn]:.1f}",
+                f"{ms[tc] / ms[mn]:.2f}x", f"{ms['eager'] / ms[mn]:.2f}x",
+                f"{cpu[tc] / cpu[mn]:.2f}x, {cpu['eager'] / cpu[mn]:.2f}x",
+                f"{cs[tc]:.1f} / {cs[mn]:.1f}",
+                f"{first[tc]:.1g} / {first[mn]:.1g}; {last[tc]:.1g} / {last[mn]:.1g}",
+            ]  # fmt: skip
+            rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
