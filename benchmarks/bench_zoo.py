@@ -62,8 +62,9 @@ BATCH = 4
 LR, MOMENTUM = 0.01, 0.9
 
 
-def build_model(name: str):
-    """The torchvision model `name`, initialized from seed 0."""
+def build_model(name: str, image_size: int = 32):
+    """The torchvision model `name`, initialized from seed 0 (`image_size`: vit_small's input
+    side; the other models take any size their downsampling allows)."""
     import torch
     import torchvision
 
@@ -71,7 +72,7 @@ def build_model(name: str):
     kwargs, _ = MODELS[name]
     if name == "vit_small":
         return torchvision.models.VisionTransformer(
-            image_size=32, patch_size=8, num_layers=2, num_heads=4, hidden_dim=64, mlp_dim=128,
+            image_size=image_size, patch_size=8, num_layers=2, num_heads=4, hidden_dim=64, mlp_dim=128,
             num_classes=10,
         )  # fmt: skip
     return torchvision.models.get_model(name, weights=None, num_classes=10, **kwargs)

@@ -36,3 +36,12 @@ def make_step(model: Any, optimizer: Any) -> Callable[[dict], dict]:
         return {"loss": loss}
 
     return step
+
+
+def tutorial_mlp() -> Any:
+    """The MLSDK tutorial's MLP 1024-256-10, initialized from seed 0."""
+    import torch
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(1024, 256), nn.ReLU(), nn.Linear(256, 10))

@@ -377,9 +377,30 @@ def _inductor_options(
         limit = preset.cpp_wrapper_max_ops
         if limit is not None and sum(n.op == "call_function" for n in gm.graph.nodes) <= limit:
             options["cpp_wrapper"] = True
+    if preset.channels_last_with_depthwise and _has_depthwise_convolution(gm, example_args):
+        options["layout_optimization"] = True
     if _KEEP_MATMULS_APART and passes:
         options["post_grad_custom_pre_pass"] = _matmuls_apart_from_full_size_adds()
     return options
+
+
+def _has_depthwise_convolution(gm: fx.GraphModule, example_args: Sequence[torch.Tensor]) -> bool:
+    """Whether `gm` has a grouped convolution with one input channel per group (MobileNet's,
+    EfficientNet's, ConvNeXt's depthwise convolutions). A weight's shape is its example
+    argument's (the graph as loaded from JSON carries no tensor metadata) or its node's."""
+    inputs = dict(
+        zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_args, strict=False)
+    )
+    for node in gm.graph.nodes:
+        if not _is_node(node, aten.convolution.default):
+            continue
+        groups = node.args[8] if len(node.args) > 8 else node.kwargs.get("groups", 1)
+        weight = node.args[1]
+        if isinstance(weight, fx.Node):
+            weight = inputs.get(weight, weight.meta.get("val"))
+        if groups > 1 and isinstance(weight, torch.Tensor) and weight.shape[1] == 1:
+            return True
+    return False
 
 
 def _updating_state_in_place(gm: fx.GraphModule, mutated: Sequence[int]) -> fx.GraphModule:
