@@ -558,6 +558,25 @@ _UNINITIALIZED = {
 }
 
 
+def _reads_uninitialized(node: fx.Node, uninitialized: set[fx.Node]) -> bool:
+    """An allocation, or a view or plain copy of one (a functional graph's permute_copy of
+    an empty_like): memory nobody has written yet, which may hold NaN."""
+    target = node.target
+    if target in _UNINITIALIZED:
+        return True
+    if not node.args or node.args[0] not in uninitialized:
+        return False
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    name = target.overloadpacket.__name__
+    if name in ("clone", "_to_copy", "contiguous"):
+        return True
+    base = getattr(aten, name.removesuffix("_copy"), None)
+    view = getattr(base, target._overloadname, None) if base is not None else None
+    schema = (view or target)._schema
+    return bool(schema.returns) and schema.returns[0].alias_info is not None
+
+
 class _FiniteCheckingInterpreter(fx.Interpreter):
     """The debug preset: run op by op; NaN anywhere stops the step at the op that made it.
 
@@ -569,11 +588,14 @@ class _FiniteCheckingInterpreter(fx.Interpreter):
 
     def run(self, *args, **kwargs):
         self._inf_nodes: set[fx.Node] = set()
+        self._uninitialized: set[fx.Node] = set()
         return super().run(*args, **kwargs)
 
     def run_node(self, node: fx.Node):
         result = super().run_node(node)
-        if node.op == "call_function" and node.target not in _UNINITIALIZED:
+        if node.op == "call_function" and _reads_uninitialized(node, self._uninitialized):
+            self._uninitialized.add(node)  # an allocation, or a view or copy of one
+        elif node.op == "call_function":
             for value in result if isinstance(result, (tuple, list)) else (result,):
                 if not (isinstance(value, torch.Tensor) and value.is_floating_point()):
                     continue
