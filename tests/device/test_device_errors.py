@@ -401,3 +401,36 @@ def test_debug_preset_names_the_op_whose_inf_reaches_the_outputs(context):
     message = str(info.value)
     assert "aten.exp" in message and "inf" in message
     assert f"{HERE}:{line_of(step, 'torch.exp(')}" in message
+
+
+def test_debug_preset_skips_views_of_unwritten_allocations_but_checks_views_of_values(
+    monkeypatch,
+):
+    """An empty_like (and a permute of it) may hold NaN: not checked; a permute of a computed
+    NaN is still reported at the op that made it."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from mncore_device import executors
+    from mncore_device.executors import _FiniteCheckingInterpreter
+
+    def unwritten(x):
+        buffer = torch.empty_like(x).permute(1, 0)
+        return x.sum() + buffer.zero_().sum()
+
+    def computed(x):
+        return torch.log(x - 10).permute(1, 0).sum()
+
+    x = torch.ones(3, 2)
+    graph = make_fx(unwritten)(x)
+    for node in graph.graph.nodes:  # make the unwritten memory NaN, whatever it held
+        if node.target is torch.ops.aten.empty_like.default:
+            node.target = torch.ops.aten.full_like.default
+            node.args = (node.args[0], float("nan"))
+    graph.recompile()
+    # ... as an allocation: full_like stands for empty_like here
+    monkeypatch.setattr(
+        executors, "_UNINITIALIZED", executors._UNINITIALIZED | {torch.ops.aten.full_like.default}
+    )
+    assert _FiniteCheckingInterpreter(graph).run(x).item() == 6.0
+    with pytest.raises(mncore_device.NonFiniteError, match="log"):
+        _FiniteCheckingInterpreter(make_fx(computed)(x)).run(x)
