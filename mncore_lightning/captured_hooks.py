@@ -170,18 +170,21 @@ class CapturedHook:
         )
 
     def __call__(self, *args: Any) -> Any:
-        module = self.module
-        self._logs.calls.clear()
-        state = module.__dict__  # not nn.Module.__setattr__: this runs every step
-        state["log"], state["log_dict"] = self._log, self._log_dict
-        try:
-            output = self.frontend(*args)
-        finally:
-            del state["log"], state["log_dict"]
+        output = self._run_step(args)
         if self._update is not None:
             _loss_of(output)  # a step without a loss (None, say) ran no update: refused
-        self._replay_logs(module, _leading_size(args[0]) if args else None)
+        self._replay_logs(self.module, _leading_size(args[0]) if args else None)
         return output
+
+    def _run_step(self, args: tuple) -> Any:
+        """The hook under Dynamo, its `self.log` calls recorded in `self._logs.calls`."""
+        self._logs.calls.clear()
+        state = self.module.__dict__  # not nn.Module.__setattr__: this runs every step
+        state["log"], state["log_dict"] = self._log, self._log_dict
+        try:
+            return self.frontend(*args)
+        finally:
+            del state["log"], state["log_dict"]
 
     def _replay_logs(self, module: Any, size: int | None) -> None:
         """Each recorded `self.log`, into Lightning. A scalar tensor logged by the same call
@@ -197,7 +200,7 @@ class CapturedHook:
                     log = functools.partial(_LIGHTNING_LOG, module)
                     self._derived[key] = _DerivedLog.record(module, log, call, value)
                 continue
-            _LIGHTNING_LOG(module, name, value, *args, **kwargs)
+            module.log(name, value, *args, **kwargs)  # a module's own `log` sees every call
 
     def _retraced(self, reason: str) -> None:
         """Report a re-compile; the same guard failing a second time is a value that changes
@@ -214,14 +217,7 @@ class CapturedHook:
 
     def _compile_graph(self, captured: CapturedGraph) -> Callable[[Mapping], Mapping]:
         """Trace one captured graph (with the update, at the marker) into a device function."""
-        if self._update is not None and self.frontend.breaks:
-            breaks = "; ".join(map(str, self.frontend.breaks))
-            if self.frontend.fullgraph:
-                raise StaticGraphError(
-                    f"fullgraph=True: {self.hook_name} has host code ({breaks}). Where the "
-                    f"first one is:\n{self.frontend.breaks[0].stack}"
-                )
-            raise UseTracer(f"{self.hook_name} has host code: {breaks}")
+        self._refuse_host_code()
         calls = {self._update: self._backward_and_update} if self._update is not None else {}
 
         def device_step(inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -250,6 +246,18 @@ class CapturedHook:
             return outputs
 
         return run
+
+    def _refuse_host_code(self) -> None:
+        """A training step with a graph break would span device calls around its backward:
+        an error with fullgraph=True, else the make_fx tracer (UseTracer)."""
+        if self._update is not None and self.frontend.breaks:
+            breaks = "; ".join(map(str, self.frontend.breaks))
+            if self.frontend.fullgraph:
+                raise StaticGraphError(
+                    f"fullgraph=True: {self.hook_name} has host code ({breaks}). Where the "
+                    f"first one is:\n{self.frontend.breaks[0].stack}"
+                )
+            raise UseTracer(f"{self.hook_name} has host code: {breaks}")
 
     def _backward_and_update(self, loss: torch.Tensor) -> torch.Tensor:
         """The marker's work while the device graph is traced: backward and update."""

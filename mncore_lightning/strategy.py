@@ -47,6 +47,7 @@ from mncore_device import (
 from mncore_device.specs import check_input
 
 from .accelerator import MNCoreAccelerator
+from .captured_groups import run_captured_group
 from .captured_hooks import CapturedHook, UseTracer
 from .carried_state import signature as carried_signature
 from .compiled_hooks import BatchLayout, CompiledHook, compile_hook, shape_change
@@ -338,6 +339,8 @@ class CompiledSteps:
         update = window == 1 or self._updating
         if self._is_captured_training(steps):
             try:
+                if steps is not None:  # K steps, one device call (captured_groups.py)
+                    return run_captured_group(self, batch, rest)
                 return self._captured_training_step(args, window, update)
             except UseTracer as signal:
                 self._use_tracer("train", signal)
@@ -398,9 +401,8 @@ class CompiledSteps:
         return (
             self.capture == "dynamo"
             and "train" not in self._traced
-            and steps is None
             and module.automatic_optimization
-            and type(self)._train_plan is CompiledSteps._train_plan
+            and not getattr(self, "split_step", False)  # data parallel's host all-reduce
             and not torch.is_anomaly_enabled()
         )
 
