@@ -217,6 +217,12 @@ class MNCoreDDPStrategy(CompiledSteps, DDPStrategy):
         with traced_sync_batchnorm(self.lightning_module):
             return super()._compile(*args, **kwargs)
 
+    def _captured_training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The step captured by TorchDynamo (captured_hooks.py); its SyncBatchNorm layers
+        exchange statistics with functional collectives, which Dynamo keeps in its graph."""
+        with traced_sync_batchnorm(self.lightning_module):
+            return super()._captured_training_step(*args, **kwargs)
+
     # --- gradient averaging --------------------------------------------------------------------
 
     def _gradient_reduction(self) -> Callable[[list[torch.Tensor]], None] | None:

@@ -110,6 +110,21 @@ def _use_fake_mlsdk() -> None:
     sys.path.insert(0, str(FAKE_ROOT))
 
 
+class CaptureCollector(LossCollector):
+    """LossCollector, and which frontend captured the training step (read before the
+    strategy's teardown): "dynamo", or "trace" (make_fx); None on cpu."""
+
+    train_capture: str | None = None
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        strategy = trainer.strategy
+        if hasattr(strategy, "_captured"):
+            captured = any(k[0] == "train" for k in strategy._captured)
+            self.train_capture = (
+                "dynamo" if captured and "train" not in strategy._traced else "trace"
+            )
+
+
 def run(name: str, out: Path) -> None:
     accelerator, strategy, model_kwargs, options = RUNS[name]
     model_kwargs = dict(model_kwargs)
@@ -121,7 +136,7 @@ def run(name: str, out: Path) -> None:
     L.seed_everything(0, verbose=False)
     model_cls = ManualClassifier if model_kwargs.pop("manual", False) else SyncedClassifier
     model = model_cls(**model_kwargs)
-    collector = LossCollector()
+    collector = CaptureCollector()
     trainer = L.Trainer(
         accelerator=accelerator,
         strategy=strategy(),
@@ -146,6 +161,7 @@ def run(name: str, out: Path) -> None:
         "state": {k: v.clone() for k, v in model.state_dict().items()},
         "compiled_calls_fit": getattr(trainer.strategy, "compiled_calls", None),
         "split_step": getattr(trainer.strategy, "split_step", None),
+        "train_capture": collector.train_capture,
         "device": str(getattr(trainer.strategy, "mncore_device", "")),
         "validate": trainer.validate(model, val, verbose=False),
         "test": trainer.test(model, val, verbose=False),

@@ -211,6 +211,14 @@ def test_gradient_all_reduce_is_inside_the_training_graph(lightning_launch):
         assert "_c10d_functional" not in validation.read_text()
 
 
+def test_the_data_parallel_step_is_captured_by_dynamo(lightning_launch):
+    """The in-graph all-reduce step (with accumulation, with SyncBatchNorm) runs on the
+    TorchDynamo capture (captured_hooks.py), not on the make_fx tracer."""
+    for run in ("mncore", "mncore_acc", "mncore_syncbn"):
+        got = [g["train_capture"] for g in _results(lightning_launch, run)]
+        assert got == ["dynamo", "dynamo"], run
+
+
 def test_split_step_matches_cpu_ddp(lightning_launch):
     """Compiled forward+backward, host all-reduce, compiled update: the same results."""
     got = assert_parity(lightning_launch, "cpu", "split")
