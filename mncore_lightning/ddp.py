@@ -217,11 +217,15 @@ class MNCoreDDPStrategy(CompiledSteps, DDPStrategy):
         with traced_sync_batchnorm(self.lightning_module):
             return super()._compile(*args, **kwargs)
 
-    def _captured_training_step(self, *args: Any, **kwargs: Any) -> Any:
+    def _captured_training_step(self, args: tuple, window: int, update: bool) -> Any:
         """The step captured by TorchDynamo (captured_hooks.py); its SyncBatchNorm layers
-        exchange statistics with functional collectives, which Dynamo keeps in its graph."""
+        exchange statistics with functional collectives, which Dynamo keeps in its graph.
+        A split step's forward+backward leaves the gradients in device buffers; the host
+        all-reduce and the compiled update follow (_after_train_call)."""
         with traced_sync_batchnorm(self.lightning_module):
-            return super()._captured_training_step(*args, **kwargs)
+            result = super()._captured_training_step(args, window, update)
+        self._after_train_call(update, self._counters(args[1:]))
+        return result
 
     # --- gradient averaging --------------------------------------------------------------------
 

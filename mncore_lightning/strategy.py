@@ -402,13 +402,14 @@ class CompiledSteps:
             self.capture == "dynamo"
             and "train" not in self._traced
             and module.automatic_optimization
-            and not getattr(self, "split_step", False)  # data parallel's host all-reduce
             and not torch.is_anomaly_enabled()
         )
 
     def _captured_training_step(self, args: tuple, window: int, update: bool) -> Any:
-        """One training step (forward, backward and update) as one device call."""
+        """One training step (forward, backward and update) as one device call; a plan
+        without the update (`_train_plan`: a split step) leaves the gradients in buffers."""
         trainer = self.lightning_module.trainer
+        accumulating, update = self._train_plan(False, window, update)
         key = ("train", window, update)
         hook = self._captured.get(key)
         if hook is None:
@@ -417,7 +418,7 @@ class CompiledSteps:
                 "training_step",
                 optimizer=self.optimizers[0],
                 update_options={
-                    "accumulate": (window, self._gradient_buffers()) if window > 1 else None,
+                    "accumulate": (window, self._gradient_buffers()) if accumulating else None,
                     "update": update,
                     "reduce_gradients": self._gradient_reduction(),
                     "gradient_clipping": (
