@@ -68,7 +68,6 @@ class CapturedStepGroup(CapturedHook):
     def __init__(self, strategy: Any, **kwargs: Any) -> None:
         super().__init__(strategy, "training_step", **kwargs)
         self._deferred: list[_Deferred] = []
-        self._step_index = 0
         # by sequence of (graph, sources) per step: (device function, the plan it was traced
         # for, which keeps the graphs alive while their ids are keys)
         self._groups: dict[tuple, tuple[Any, list]] = {}
@@ -88,7 +87,6 @@ class CapturedStepGroup(CapturedHook):
         self._deferred = []
         try:
             for index, batch in enumerate(batches):
-                self._step_index = index
                 total.completed = completed + index
                 args = (batch, *rest)
                 if first_idx is not None:

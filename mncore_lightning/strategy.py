@@ -895,10 +895,13 @@ class MNCoreStrategy(CompiledSteps, SingleDeviceStrategy):
             series gets the group's last value), `trainer.global_step` counts every
             optimizer step and training_step's returned loss is the group's last. An epoch
             whose batch count is not a multiple of K ends with one shorter group (a second
-            graph), and a group that would run past `max_steps` is cut there. Supported
-            with automatic optimization, without gradient accumulation, step-interval LR
-            schedulers, gradient hooks, metrics updated in training_step or tensors carried
-            between steps; each of those raises a clear error.
+            graph), and a group that would run past `max_steps` is cut there. Each step of
+            a group runs training_step's Python under TorchDynamo as on cpu (its batch_idx
+            and global_step, its guards, its attribute writes; captured_groups.py), and the
+            K steps' graphs run as one device call. Supported with automatic optimization,
+            without gradient accumulation, step-interval LR schedulers or gradient hooks;
+            each of those raises a clear error, as does a step whose Python needs a device
+            value at once (`self.log(name, loss.item())`).
         last_batch: what becomes of a training epoch's short last batch (a dataset size that
             is not a multiple of the batch size). "drop" (default): the training DataLoader
             is rebuilt with drop_last=True, as a static batch size needs, and a warning says
