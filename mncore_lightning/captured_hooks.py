@@ -20,6 +20,7 @@ the call.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -112,6 +113,8 @@ class CapturedHook:
     optimizer: for `training_step`, the optimizer the device graph updates with (automatic
     optimization); None for forward-only hooks.
     update_options: the keywords of `backward_and_update` (accumulation, clipping, ...).
+    manual: for a manual-optimization `training_step`, its markers and host calls
+    (captured_manual.ManualSteps); the step is then one device call, as with `optimizer`.
     compile_options: the keywords of `Context.compile` for each graph; "codegen_dir" is a
     function giving the folder of the next graph (or None).
     """
@@ -123,12 +126,14 @@ class CapturedHook:
         *,
         optimizer: torch.optim.Optimizer | None = None,
         update_options: Mapping[str, Any] | None = None,
+        manual: Any = None,
         fullgraph: bool = False,
         compile_options: Mapping[str, Any],
     ) -> None:
         self.strategy = strategy
         self.hook_name = hook_name
         self.optimizer = optimizer
+        self._manual = manual
         self.module = module = strategy.lightning_module
         self.context: Context = strategy.context
         self._update_options = dict(update_options or {})
@@ -139,7 +144,8 @@ class CapturedHook:
         self.gradient_params: dict[str, torch.Tensor] = {}
         self.gradients: dict[str, torch.Tensor] = {}  # the last call's, by gradient_params key
         self.compiled: list[Any] = []  # the device functions, one per graph
-        self._failed_guards: set[str] = set()
+        self._failed_guards: dict[str, int] = {}  # guard -> the call at which it last failed
+        self._calls = 0
         self._derived: dict[tuple[int, str, int | None], Any] = {}  # by log call: see _replay_logs
         self.batch_specs: dict[str, Any] | None = None
         self.batch_shapes: list[Any] | None = (
@@ -171,15 +177,20 @@ class CapturedHook:
 
     def __call__(self, *args: Any) -> Any:
         module = self.module
+        self._calls += 1
         self._logs.calls.clear()
         state = module.__dict__  # not nn.Module.__setattr__: this runs every step
         state["log"], state["log_dict"] = self._log, self._log_dict
+        manual = self._manual
         try:
-            output = self.frontend(*args)
+            with manual.installed() if manual is not None else contextlib.nullcontext():
+                output = self.frontend(*args)
         finally:
             del state["log"], state["log_dict"]
         if self._update is not None:
             _loss_of(output)  # a step without a loss (None, say) ran no update: refused
+        if manual is not None:
+            manual.replay()  # Lightning's bookkeeping of each opt.step(), scheduler steps
         self._replay_logs(module, _leading_size(args[0]) if args else None)
         return output
 
@@ -200,12 +211,14 @@ class CapturedHook:
             _LIGHTNING_LOG(module, name, value, *args, **kwargs)
 
     def _retraced(self, reason: str) -> None:
-        """Report a re-compile; the same guard failing a second time is a value that changes
-        at every call (a growing list's length): the hook goes to the tracer."""
+        """Report a re-compile; the same guard failing again at the next call is a value that
+        changes at every call (a growing list's length): the hook goes to the tracer. One that
+        fails again later (a value a hook changes once an epoch) is re-compiled for, up to
+        max_retraces."""
         guard = _guard_of(reason)
-        if guard in self._failed_guards:
+        if self._failed_guards.get(guard) == self._calls - 1:
             raise UseTracer(f"{self.hook_name} re-compiles at every call: {reason}")
-        self._failed_guards.add(guard)
+        self._failed_guards[guard] = self._calls
         self.strategy._retrace(self.hook_name, reason)
 
     @property
@@ -214,7 +227,7 @@ class CapturedHook:
 
     def _compile_graph(self, captured: CapturedGraph) -> Callable[[Mapping], Mapping]:
         """Trace one captured graph (with the update, at the marker) into a device function."""
-        if self._update is not None and self.frontend.breaks:
+        if (self._update is not None or self._manual is not None) and self.frontend.breaks:
             breaks = "; ".join(map(str, self.frontend.breaks))
             if self.frontend.fullgraph:
                 raise StaticGraphError(
@@ -223,10 +236,14 @@ class CapturedHook:
                 )
             raise UseTracer(f"{self.hook_name} has host code: {breaks}")
         calls = {self._update: self._backward_and_update} if self._update is not None else {}
+        manual = self._manual
+        if manual is not None:
+            calls = manual.calls
 
         def device_step(inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             self.gradient_params.clear()
-            outputs = captured.run(inputs, calls)
+            with manual.tracing() if manual is not None else contextlib.nullcontext():
+                outputs = captured.run(inputs, calls)
             return {**outputs, **self._traced_gradients}
 
         self._traced_gradients: dict[str, torch.Tensor] = {}

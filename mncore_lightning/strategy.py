@@ -48,6 +48,7 @@ from mncore_device.specs import check_input
 
 from .accelerator import MNCoreAccelerator
 from .captured_hooks import CapturedHook, UseTracer
+from .captured_manual import captured_manual_step
 from .carried_state import signature as carried_signature
 from .compiled_hooks import BatchLayout, CompiledHook, compile_hook, shape_change
 from .data import LAST_BATCH_OPTIONS, StepGroup, StepGroups, with_drop_last
@@ -393,13 +394,12 @@ class CompiledSteps:
         rank_zero_info(f"MN-Core: tracing {signal.reason}; it is traced with make_fx instead")
 
     def _is_captured_training(self, steps: int | None) -> bool:
-        """Whether the training step runs through the Dynamo frontend (captured_hooks.py)."""
-        module = self.lightning_module
+        """Whether the training step runs through the Dynamo frontend (captured_hooks.py;
+        captured_manual.py for manual optimization)."""
         return (
             self.capture == "dynamo"
             and "train" not in self._traced
             and steps is None
-            and module.automatic_optimization
             and type(self)._train_plan is CompiledSteps._train_plan
             and not torch.is_anomaly_enabled()
         )
@@ -409,6 +409,8 @@ class CompiledSteps:
         trainer = self.lightning_module.trainer
         key = ("train", window, update)
         hook = self._captured.get(key)
+        if hook is None and not self.lightning_module.automatic_optimization:
+            hook = self._captured[key] = captured_manual_step(self)
         if hook is None:
             hook = CapturedHook(
                 self,

@@ -1,0 +1,315 @@
+"""Manual optimization captured by TorchDynamo: a whole `training_step` that calls
+`self.manual_backward`, `opt.step()` and `opt.zero_grad()` itself is ONE device call.
+
+Dynamo captures the user's Python (its reads guarded, `self.log` and list appends replayed),
+but cannot trace a backward, and torch.optim's `step` and `zero_grad` graph-break on purpose.
+While the step runs under Dynamo, those calls (and the ones that touch gradients or
+`requires_grad`: `clip_gradients`, `toggle_optimizer`, `untoggle_optimizer`) are markers
+(`mncore_device.capture.traced_call`): one graph node each, in the step's order. When the
+device graph is traced (make_fx), each marker does the real work there, as the make_fx
+path's manual step does (`MNCorePrecision.tracing_manual_step`): the backward with Lightning's
+backward hooks, the update through the strategy's `optimizer_step` (with
+`on_before_optimizer_step`), torch.optim's `zero_grad`.
+
+What Lightning does on the host around each `opt.step()` (its `_on_before_step` and
+`_on_after_step`: the optimizer-step progress, which is `trainer.global_step`, and the
+profiler's "optimizer_step") and a scheduler's `step()` called in the step (the learning rate
+the next step reads) are appended to a list while Dynamo runs the step; Dynamo replays the
+appends after each call, with the values the graph computed (`ReduceLROnPlateau.step(loss)`
+gets each step's loss), and they are run in the step's order, once per call.
+
+Gradients are device state between calls (`CompiledSteps._gradient_buffers`): a step that
+does not zero them (accumulation by hand, `if (batch_idx + 1) % n == 0: opt.step()`)
+accumulates into the previous step's, as on cpu. A gradient that is None on cpu is zeros
+here: the same values, except for an optimizer that steps a parameter whose gradient no
+backward produced since its last `zero_grad()` (cpu skips it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from lightning.pytorch.core.optimizer import do_nothing_closure
+
+from mncore_device import StaticGraphError
+from mncore_device.capture import traced_call
+
+from .captured_hooks import CapturedHook
+
+_ABSENT = object()
+
+
+@dataclasses.dataclass(eq=False)
+class _HostCall:
+    """A host-side call a step makes, run after the device call (see the module docstring)."""
+
+    call: Callable[..., Any]
+    optimizer: Any  # the (unwrapped) optimizer it concerns
+    kind: str  # "before_step", "after_step" or "scheduler"
+
+
+class ManualSteps:
+    """The markers of one captured manual `training_step`, their work in the device graph,
+    and the host calls replayed after each call (see the module docstring)."""
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+        self.module = module = strategy.lightning_module
+        self.host_calls: list[tuple[_HostCall, tuple, dict]] = []
+        self.calls: dict[Any, Callable[..., Any]] = {}  # marker -> its work (device graph)
+        self._patches: list[tuple[dict, str, Any]] = []  # (an object's __dict__, name, new)
+        self._saved: list[tuple[dict, str, Any]] = []
+        # gradients are device state: registered before anything is compiled
+        self._buffers = strategy._gradient_buffers()
+        lightning_optimizers = list(strategy._lightning_optimizers)
+        pairs = [(lopt, lopt.optimizer) for lopt in lightning_optimizers]
+        host_calls = self.host_calls
+
+        def index_of(optimizer: Any) -> int:
+            for index, (lopt, opt) in enumerate(pairs):
+                if optimizer is lopt or optimizer is opt:
+                    return index
+            raise ValueError(f"{type(optimizer).__name__} is not one of the trainer's optimizers")
+
+        toggles = [
+            self._marker(f"toggle_optimizer_{i}", self._toggle(lo))
+            for i, (lo, _) in enumerate(pairs)
+        ]
+        untoggles = [
+            self._marker(f"untoggle_optimizer_{i}", self._untoggle(lo))
+            for i, (lo, _) in enumerate(pairs)
+        ]
+        clips = [
+            self._marker(f"clip_gradients_{i}", self._clip(lo)) for i, (lo, _) in enumerate(pairs)
+        ]
+        backward = self._marker("manual_backward", self._backward)
+
+        def manual_backward(loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+            backward(loss, *args, **kwargs)
+
+        def toggle_optimizer(optimizer: Any) -> None:
+            toggles[index_of(optimizer)]()
+
+        def untoggle_optimizer(optimizer: Any) -> None:
+            untoggles[index_of(optimizer)]()
+
+        def clip_gradients(
+            optimizer: Any,
+            gradient_clip_val: float | None = None,
+            gradient_clip_algorithm: str | None = None,
+        ) -> None:
+            clips[index_of(optimizer)](gradient_clip_val, gradient_clip_algorithm)
+
+        for name, function in (
+            ("manual_backward", manual_backward),
+            ("toggle_optimizer", toggle_optimizer),
+            ("untoggle_optimizer", untoggle_optimizer),
+            ("clip_gradients", clip_gradients),
+        ):
+            self._patches.append((module.__dict__, name, function))
+        for index, (lopt, opt) in enumerate(pairs):
+            zero = self._marker(f"zero_grad_{index}", self._zero_grad(opt))
+            update = self._marker(f"optimizer_step_{index}", self._lightning_step(opt))
+            raw_update = self._marker(f"raw_optimizer_step_{index}", self._raw_step(opt))
+            before = _HostCall(_hook_of(lopt, "_on_before_step"), opt, "before_step")
+            after = _HostCall(_hook_of(lopt, "_on_after_step"), opt, "after_step")
+            self._patches += [
+                (lopt.__dict__, "step", _stepping(update, before, after, host_calls)),
+                (lopt.__dict__, "zero_grad", _zeroing(zero)),
+                (opt.__dict__, "step", _stepping(raw_update, None, None, host_calls)),
+                (opt.__dict__, "zero_grad", _zeroing(zero)),
+            ]
+        for config in strategy.lr_scheduler_configs:
+            scheduler = config.scheduler
+            call = _HostCall(scheduler.step, getattr(scheduler, "optimizer", None), "scheduler")
+            self._patches.append((scheduler.__dict__, "step", _scheduling(call, host_calls)))
+
+    def _marker(self, name: str, work: Callable[..., Any]) -> Callable[..., torch.Tensor]:
+        marker = traced_call(f"mncore_manual_{name}")
+        self.calls[marker] = work
+        return marker
+
+    # --- the markers' work, while the device graph is traced ------------------------------------
+
+    def _backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        module = self.module
+        type(module).manual_backward(module, loss, *args, **kwargs)
+        return loss.detach()
+
+    def _toggle(self, optimizer: Any) -> Callable[[], torch.Tensor]:
+        module = self.module
+
+        def toggle() -> torch.Tensor:
+            type(module).toggle_optimizer(module, optimizer)
+            return torch.zeros(())
+
+        return toggle
+
+    def _untoggle(self, optimizer: Any) -> Callable[[], torch.Tensor]:
+        module = self.module
+
+        def untoggle() -> torch.Tensor:
+            type(module).untoggle_optimizer(module, optimizer)
+            return torch.zeros(())
+
+        return untoggle
+
+    def _clip(self, optimizer: Any) -> Callable[..., torch.Tensor]:
+        module = self.module
+
+        def clip(value: float | None, algorithm: str | None) -> torch.Tensor:
+            type(module).clip_gradients(
+                module, optimizer, gradient_clip_val=value, gradient_clip_algorithm=algorithm
+            )
+            return torch.zeros(())
+
+        return clip
+
+    def _zero_grad(self, optimizer: Any) -> Callable[..., torch.Tensor]:
+        def zero_grad(set_to_none: bool = True) -> torch.Tensor:
+            optimizer.zero_grad(set_to_none=set_to_none)
+            return torch.zeros(())
+
+        return zero_grad
+
+    def _lightning_step(self, optimizer: Any) -> Callable[..., torch.Tensor]:
+        """LightningOptimizer.step's update: the strategy's optimizer_step (precision plugin,
+        on_before_optimizer_step, the optimizer's step); the closure ran in the step."""
+        strategy = self.strategy
+
+        def step(**kwargs: Any) -> torch.Tensor:
+            strategy.optimizer_step(optimizer, do_nothing_closure, **kwargs)
+            return torch.zeros(())
+
+        return step
+
+    def _raw_step(self, optimizer: Any) -> Callable[..., torch.Tensor]:
+        def step(**kwargs: Any) -> torch.Tensor:
+            optimizer.step(**kwargs)
+            return torch.zeros(())
+
+        return step
+
+    # --- around each call -------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """The markers stand in for the methods while the step runs (under Dynamo)."""
+        self.host_calls.clear()
+        self._install()
+        try:
+            yield
+        finally:
+            self._uninstall()
+
+    def _install(self) -> None:
+        for namespace, name, function in self._patches:
+            self._saved.append((namespace, name, namespace.get(name, _ABSENT)))
+            namespace[name] = function
+
+    def _uninstall(self) -> None:
+        while self._saved:
+            namespace, name, previous = self._saved.pop()
+            if previous is _ABSENT:
+                namespace.pop(name, None)
+            else:
+                namespace[name] = previous
+
+    @contextlib.contextmanager
+    def tracing(self) -> Iterator[None]:
+        """While the device graph is traced: the real methods, the gradients from their device
+        buffers (written back at the end: zeros where a gradient ends None), and the precision
+        plugin running backward and the update into the graph."""
+        installed = bool(self._saved)
+        self._uninstall()
+        buffers = self._buffers
+        for param, buffer in buffers.items():
+            param.grad = buffer
+        precision = self.strategy.precision_plugin
+        try:
+            with precision.tracing_manual_step(after_backward=self.strategy._gradient_reduction()):
+                yield
+            with torch.no_grad():
+                for param, buffer in buffers.items():
+                    grad = param.grad
+                    if grad is None:
+                        buffer.zero_()
+                    elif grad is not buffer:
+                        buffer.copy_(grad)
+        finally:
+            for param in buffers:
+                param.grad = None
+            if installed:
+                self._install()
+
+    def replay(self) -> None:
+        """The host calls of the last call, in the step's order."""
+        scheduled: set[int] = set()  # optimizers whose scheduler this step has stepped
+        for host_call, args, kwargs in self.host_calls:
+            if host_call.kind == "scheduler":
+                scheduled.add(id(host_call.optimizer))
+            elif host_call.kind == "before_step" and id(host_call.optimizer) in scheduled:
+                raise StaticGraphError(
+                    "the step calls opt.step() after stepping its LR scheduler. In a compiled "
+                    "step a scheduler's new learning rate takes effect after the step, not for "
+                    "the updates that follow it in the same step; step the scheduler after the "
+                    "last opt.step(), or in a hook (on_train_batch_end)."
+                )
+            host_call.call(*args, **kwargs)
+        self.host_calls.clear()
+
+
+def _hook_of(optimizer: Any, name: str) -> Callable[[], Any]:
+    """Call the LightningOptimizer's hook `name` as set when the call is replayed (the manual
+    loop installs its own around each training step)."""
+    return lambda: getattr(optimizer, name)()
+
+
+def _stepping(
+    update: Callable[..., torch.Tensor],
+    before: _HostCall | None,
+    after: _HostCall | None,
+    host_calls: list,
+) -> Callable[..., Any]:
+    """`opt.step(closure=None, **kwargs)` under Dynamo: the closure (forward and backward)
+    runs in the step, the update is a marker, Lightning's bookkeeping a host call."""
+
+    def step(closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        if before is not None:
+            host_calls.append((before, (), {}))
+        output = closure() if closure is not None else None
+        update(**kwargs)
+        if after is not None:
+            host_calls.append((after, (), {}))
+        return output
+
+    return step
+
+
+def _zeroing(zero: Callable[..., torch.Tensor]) -> Callable[..., None]:
+    def zero_grad(set_to_none: bool = True) -> None:
+        zero(set_to_none)
+
+    return zero_grad
+
+
+def _scheduling(call: _HostCall, host_calls: list) -> Callable[..., None]:
+    def step(*args: Any, **kwargs: Any) -> None:
+        host_calls.append((call, args, kwargs))
+
+    return step
+
+
+def captured_manual_step(strategy: Any) -> CapturedHook:
+    """The strategy's `training_step` under manual optimization, captured by Dynamo."""
+    return CapturedHook(
+        strategy,
+        "training_step",
+        manual=ManualSteps(strategy),
+        fullgraph=strategy.fullgraph,
+        compile_options=strategy._compile_options("train"),
+    )
