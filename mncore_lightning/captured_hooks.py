@@ -73,10 +73,16 @@ _summary_writer_calls_are_host_code()
 
 # The ints that change every step: batch_idx and dataloader_idx (the hook's arguments), and
 # whatever the step reads through the trainer (global_step, current_epoch, a scheduler's
-# last_epoch). They are graph inputs from the start: no re-compile when they first change.
+# last_epoch) or counts itself (a manual step's optimizer steps). They are graph inputs from
+# the start: no re-compile when they first change.
 # So is the batch size (the first dimension of the batch's tensors): a short last batch
 # compiles another device graph, without a re-compile of the Python step.
-_COUNTERS = (r".*\['args'\]\[[12]\]$", r".*\._trainer\..*", r".*\['args'\]\[0\].*:0")
+_COUNTERS = (
+    r".*\['args'\]\[[12]\]$",
+    r".*\._trainer\..*",
+    r".*\['args'\]\[0\].*:0",
+    r".*\.optim_step_progress\..*",  # a manual step's optimizer-step count (captured_manual.py)
+)
 
 
 class UseTracer(Exception):  # noqa: N818 - a signal, not an error the user sees

@@ -47,9 +47,9 @@ _ABSENT = object()
 class _HostCall:
     """A host-side call a step makes, run after the device call (see the module docstring)."""
 
-    call: Callable[..., Any]
+    call: Callable[..., Any] | None  # None: nothing to run (an update: its place only)
     optimizer: Any  # the (unwrapped) optimizer it concerns
-    kind: str  # "before_step", "after_step" or "scheduler"
+    kind: str  # "update" or "scheduler"
 
 
 class ManualSteps:
@@ -115,12 +115,11 @@ class ManualSteps:
             zero = self._marker(f"zero_grad_{index}", self._zero_grad(opt))
             update = self._marker(f"optimizer_step_{index}", self._lightning_step(opt))
             raw_update = self._marker(f"raw_optimizer_step_{index}", self._raw_step(opt))
-            before = _HostCall(_hook_of(lopt, "_on_before_step"), opt, "before_step")
-            after = _HostCall(_hook_of(lopt, "_on_after_step"), opt, "after_step")
+            update_call = _HostCall(None, opt, "update")
             self._patches += [
-                (lopt.__dict__, "step", _stepping(update, before, after, host_calls)),
+                (lopt.__dict__, "step", _stepping(update, lopt, update_call, host_calls)),
                 (lopt.__dict__, "zero_grad", _zeroing(zero)),
-                (opt.__dict__, "step", _stepping(raw_update, None, None, host_calls)),
+                (opt.__dict__, "step", _stepping(raw_update, None, update_call, host_calls)),
                 (opt.__dict__, "zero_grad", _zeroing(zero)),
             ]
         for config in strategy.lr_scheduler_configs:
@@ -252,39 +251,38 @@ class ManualSteps:
         for host_call, args, kwargs in self.host_calls:
             if host_call.kind == "scheduler":
                 scheduled.add(id(host_call.optimizer))
-            elif host_call.kind == "before_step" and id(host_call.optimizer) in scheduled:
+            elif host_call.kind == "update" and id(host_call.optimizer) in scheduled:
                 raise StaticGraphError(
                     "the step calls opt.step() after stepping its LR scheduler. In a compiled "
                     "step a scheduler's new learning rate takes effect after the step, not for "
                     "the updates that follow it in the same step; step the scheduler after the "
                     "last opt.step(), or in a hook (on_train_batch_end)."
                 )
-            host_call.call(*args, **kwargs)
+            if host_call.call is not None:
+                host_call.call(*args, **kwargs)
         self.host_calls.clear()
-
-
-def _hook_of(optimizer: Any, name: str) -> Callable[[], Any]:
-    """Call the LightningOptimizer's hook `name` as set when the call is replayed (the manual
-    loop installs its own around each training step)."""
-    return lambda: getattr(optimizer, name)()
 
 
 def _stepping(
     update: Callable[..., torch.Tensor],
-    before: _HostCall | None,
-    after: _HostCall | None,
+    lightning_optimizer: Any,
+    update_call: _HostCall,
     host_calls: list,
 ) -> Callable[..., Any]:
     """`opt.step(closure=None, **kwargs)` under Dynamo: the closure (forward and backward)
-    runs in the step, the update is a marker, Lightning's bookkeeping a host call."""
+    runs in the step, the update is a marker. A LightningOptimizer's hooks around it (the
+    manual loop's: the optimizer-step progress, which is `trainer.global_step`) are traced:
+    Dynamo writes the counters back after the call, and the step reads them counted, as on
+    cpu (`_COUNTERS`: graph inputs, no re-compile per value)."""
 
     def step(closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
-        if before is not None:
-            host_calls.append((before, (), {}))
+        if lightning_optimizer is not None:
+            lightning_optimizer._on_before_step()
+        host_calls.append((update_call, (), {}))  # where the update is, among host calls
         output = closure() if closure is not None else None
         update(**kwargs)
-        if after is not None:
-            host_calls.append((after, (), {}))
+        if lightning_optimizer is not None:
+            lightning_optimizer._on_after_step()
         return output
 
     return step

@@ -298,3 +298,32 @@ def test_global_step_through_a_checkpoint_and_resume_as_on_cpu(tmp_path):
         atol=ATOL,
         rtol=0,
     )
+
+
+class ReadsGlobalStepAfterEachUpdate(GAN):
+    """trainer.global_step read between and after the two updates of a step: Lightning
+    counts each opt.step() as it runs, so the reads differ by one (as on cpu)."""
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        opt_g, opt_d = self.optimizers()
+        before = self.global_step
+        loss = self.generator(x).pow(2).mean()
+        opt_g.zero_grad()
+        self.manual_backward(loss)
+        opt_g.step()
+        between = self.global_step
+        d_loss = self.discriminator(self.real(x).detach()).pow(2).mean() * (1 + between % 3)
+        opt_d.zero_grad()
+        self.manual_backward(d_loss)
+        opt_d.step()
+        self.log_dict({"before": float(before), "between": float(between)})
+        self.log("after", float(self.global_step))
+        return d_loss
+
+
+def test_global_step_read_after_an_update_in_the_step_as_on_cpu():
+    cpu, mn, _ = _both_manual(ReadsGlobalStepAfterEachUpdate, epochs=2, batches=2)
+    assert mn.metrics["after"] == mn.metrics["between"] + 1 == mn.metrics["before"] + 2
+    # the counts are graph inputs, counted in the graph: no re-compile per step
+    assert mn.graphs.functions == 1 and mn.trainer.strategy.retraces == 0
