@@ -246,10 +246,17 @@ class CapturedHook:
         if manual is not None:
             calls = manual.calls
 
+        hook_logs: list[Any] = []  # a manual step's: logged by hooks run where it is traced
+
         def device_step(inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             self.gradient_params.clear()
-            with manual.tracing() if manual is not None else contextlib.nullcontext():
+            if manual is None:
                 outputs = captured.run(inputs, calls)
+            else:
+                with manual.tracing() as logs:
+                    outputs = captured.run(inputs, calls)
+                hook_logs[:] = [logs]
+                outputs.update(logs.outputs)
             return {**outputs, **self._traced_gradients}
 
         self._traced_gradients: dict[str, torch.Tensor] = {}
@@ -270,6 +277,8 @@ class CapturedHook:
             outputs = to_host(compiled(inputs))
             if self.gradient_params:
                 self.gradients = {k: outputs[k] for k in self.gradient_params}
+            if hook_logs:
+                manual.received(hook_logs[0], outputs)
             return outputs
 
         return run

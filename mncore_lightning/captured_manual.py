@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -63,6 +63,7 @@ class ManualSteps:
         self.calls: dict[Any, Callable[..., Any]] = {}  # marker -> its work (device graph)
         self._patches: list[tuple[dict, str, Any]] = []  # (an object's __dict__, name, new)
         self._saved: list[tuple[dict, str, Any]] = []
+        self._received: tuple[TracedLogs, Mapping[str, torch.Tensor]] | None = None
         # gradients are device state: registered before anything is compiled
         self._buffers = strategy._gradient_buffers()
         lightning_optimizers = list(strategy._lightning_optimizers)
@@ -219,19 +220,25 @@ class ManualSteps:
                 namespace[name] = previous
 
     @contextlib.contextmanager
-    def tracing(self) -> Iterator[None]:
+    def tracing(self) -> Iterator[TracedLogs]:
         """While the device graph is traced: the real methods, the gradients from their device
         buffers (written back at the end: zeros where a gradient ends None), and the precision
-        plugin running backward and the update into the graph."""
+        plugin running backward and the update into the graph. The hooks that run there
+        (`on_after_backward`, `on_before_optimizer_step`: they read gradients) log into the
+        `TracedLogs` yielded, whose tensors the device graph returns."""
         installed = bool(self._saved)
         self._uninstall()
         buffers = self._buffers
         for param, buffer in buffers.items():
             param.grad = buffer
         precision = self.strategy.precision_plugin
+        state = self.module.__dict__
+        saved_logs = state.get("log", _ABSENT), state.get("log_dict", _ABSENT)
+        logs = TracedLogs(self.module)
+        state["log"], state["log_dict"] = logs.log, logs.log_dict
         try:
             with precision.tracing_manual_step(after_backward=self.strategy._gradient_reduction()):
-                yield
+                yield logs
             with torch.no_grad():
                 for param, buffer in buffers.items():
                     grad = param.grad
@@ -240,10 +247,19 @@ class ManualSteps:
                     elif grad is not buffer:
                         buffer.copy_(grad)
         finally:
+            for name, saved in zip(("log", "log_dict"), saved_logs, strict=True):
+                if saved is _ABSENT:
+                    state.pop(name, None)
+                else:
+                    state[name] = saved
             for param in buffers:
                 param.grad = None
             if installed:
                 self._install()
+
+    def received(self, logs: TracedLogs, outputs: Mapping[str, torch.Tensor]) -> None:
+        """A call of the graph traced with `logs` returned `outputs`: replayed by `replay`."""
+        self._received = (logs, outputs) if logs.calls else None
 
     def replay(self) -> None:
         """The host calls of the last call, in the step's order."""
@@ -261,6 +277,46 @@ class ManualSteps:
             if host_call.call is not None:
                 host_call.call(*args, **kwargs)
         self.host_calls.clear()
+        if self._received is not None:
+            logs, outputs = self._received
+            self._received = None
+            logs.replay(outputs)
+
+
+class TracedLogs:
+    """`self.log` in the hooks that run while the device graph is traced: a tensor logged
+    there is an output of the graph, logged after each call with its value, as the hook
+    (`module._current_fx_name`) would; a Python number is logged as it was when traced."""
+
+    PREFIX = "manual_log/"
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+        self.calls: list[tuple[str, str | None, Any, tuple, dict, str | None]] = []
+        self.outputs: dict[str, torch.Tensor] = {}
+
+    def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        key = None
+        if isinstance(value, torch.Tensor):
+            key = f"{self.PREFIX}{len(self.calls)}"
+            self.outputs[key] = value.detach()
+            value = None
+        fx = self.module._current_fx_name
+        self.calls.append((name, key, value, args, kwargs, fx))
+
+    def log_dict(self, dictionary: Mapping[str, Any], *args: Any, **kwargs: Any) -> None:
+        for name, value in dictionary.items():
+            self.log(name, value, *args, **kwargs)
+
+    def replay(self, outputs: Mapping[str, torch.Tensor]) -> None:
+        module = self.module
+        current = module._current_fx_name
+        try:
+            for name, key, value, args, kwargs, fx in self.calls:
+                module._current_fx_name = fx
+                module.log(name, outputs[key] if key is not None else value, *args, **kwargs)
+        finally:
+            module._current_fx_name = current
 
 
 def _stepping(

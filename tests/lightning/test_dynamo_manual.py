@@ -327,3 +327,21 @@ def test_global_step_read_after_an_update_in_the_step_as_on_cpu():
     assert mn.metrics["after"] == mn.metrics["between"] + 1 == mn.metrics["before"] + 2
     # the counts are graph inputs, counted in the graph: no re-compile per step
     assert mn.graphs.functions == 1 and mn.trainer.strategy.retraces == 0
+
+
+class LogsGradientsInHooks(Manual):
+    """The hooks that read gradients (they run inside opt.step() and manual_backward, where
+    the device graph computes them) log from them, as Lightning's docs suggest."""
+
+    def on_after_backward(self) -> None:
+        self.log("grad_sum", sum(p.grad.sum() for p in self.parameters()))
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        norms = [p.grad.norm() for p in self.parameters() if p.grad is not None]
+        self.log("grad_norm", torch.stack(norms).norm())
+
+
+def test_gradient_hooks_logging_in_a_manual_step_as_on_cpu():
+    cpu, mn, _ = _both_manual(LogsGradientsInHooks, epochs=2, batches=2)
+    assert {"grad_sum", "grad_norm"} <= set(mn.metrics)
+    assert len({values["grad_norm"] for _, values in mn.logged if "grad_norm" in values}) == 4
