@@ -244,6 +244,7 @@ class CapturedHook:
         calls = {self._update: self._backward_and_update} if self._update is not None else {}
         manual = self._manual
         if manual is not None:
+            manual.check_capture()
             calls = manual.calls
 
         hook_logs: list[Any] = []  # a manual step's: logged by hooks run where it is traced

@@ -38,7 +38,7 @@ from lightning.pytorch.core.optimizer import do_nothing_closure
 from mncore_device import StaticGraphError
 from mncore_device.capture import traced_call
 
-from .captured_hooks import CapturedHook
+from .captured_hooks import CapturedHook, UseTracer
 
 _ABSENT = object()
 
@@ -127,6 +127,20 @@ class ManualSteps:
             scheduler = config.scheduler
             call = _HostCall(scheduler.step, getattr(scheduler, "optimizer", None), "scheduler")
             self._patches.append((scheduler.__dict__, "step", _scheduling(call, host_calls)))
+
+    def check_capture(self) -> None:
+        """While Dynamo hands over a graph: a step that reads a parameter's gradient (`p.grad`:
+        to change or log it between backward and step) read the host's, None, as the
+        gradients exist only in the device graph; it goes to the make_fx tracer, which traces
+        the step with them. Dynamo guards what it read: a guard on a `.grad` is such a read."""
+        context = torch._guards.TracingContext.try_get()
+        guards = context.guards_context.dynamo_guards if context is not None else ()
+        read = sorted({g.name for g in guards if g.name.endswith(".grad")})
+        if read:
+            raise UseTracer(
+                f"training_step reads gradients ({', '.join(read[:3])}), which a captured "
+                "manual step computes only in the device graph"
+            )
 
     def _marker(self, name: str, work: Callable[..., Any]) -> Callable[..., torch.Tensor]:
         marker = traced_call(f"mncore_manual_{name}")

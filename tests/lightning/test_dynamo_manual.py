@@ -345,3 +345,33 @@ def test_gradient_hooks_logging_in_a_manual_step_as_on_cpu():
     cpu, mn, _ = _both_manual(LogsGradientsInHooks, epochs=2, batches=2)
     assert {"grad_sum", "grad_norm"} <= set(mn.metrics)
     assert len({values["grad_norm"] for _, values in mn.logged if "grad_norm" in values}) == 4
+
+
+class ScalesGradients(Manual):
+    """Reads and changes p.grad between manual_backward and opt.step in the step."""
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        loss = self.loss(batch)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.mul_(0.25)
+        opt.step()
+        self.log("train_loss", loss)
+        return loss
+
+
+def test_a_step_reading_gradients_goes_to_the_tracer_and_trains_as_on_cpu(caplog):
+    """Gradients exist only in the device graph: Dynamo would read the host's (None) and
+    skip the loop silently. The read is found by its guard, and the step traced with make_fx,
+    which says so once."""
+    cpu = _fit("cpu", ScalesGradients, epochs=1, batches=2)
+    captured = Captured()
+    with caplog.at_level("INFO"):
+        mn = _fit("mncore", ScalesGradients, epochs=1, batches=2, callbacks=[captured])
+    _assert_same(cpu, mn)
+    assert "train" in captured.traced
+    said = [r.getMessage() for r in caplog.records if "reads gradients" in r.getMessage()]
+    assert len(said) == 1 and "traced with make_fx" in said[0] and ".grad" in said[0], said
