@@ -375,3 +375,27 @@ def test_a_step_reading_gradients_goes_to_the_tracer_and_trains_as_on_cpu(caplog
     assert "train" in captured.traced
     said = [r.getMessage() for r in caplog.records if "reads gradients" in r.getMessage()]
     assert len(said) == 1 and "traced with make_fx" in said[0] and ".grad" in said[0], said
+
+
+class ClosureStep(Manual):
+    """opt.step(closure=...) inside toggled_optimizer: the closure (forward, zero_grad and
+    backward) runs in the step, before the update, as torch.optim runs it on cpu."""
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+
+        def closure():
+            loss = self.loss(batch)
+            opt.zero_grad()
+            self.manual_backward(loss)
+            return loss
+
+        with self.toggled_optimizer(opt):
+            loss = opt.step(closure=closure)
+        self.log("train_loss", loss)
+        return loss
+
+
+def test_an_update_with_a_closure_in_a_toggled_optimizer_as_on_cpu():
+    cpu, mn, _ = _both_manual(ClosureStep, epochs=2, batches=2)
+    assert mn.trainer.global_step == 4
