@@ -11,12 +11,14 @@ path's manual step does (`MNCorePrecision.tracing_manual_step`): the backward wi
 backward hooks, the update through the strategy's `optimizer_step` (with
 `on_before_optimizer_step`), torch.optim's `zero_grad`.
 
-What Lightning does on the host around each `opt.step()` (its `_on_before_step` and
-`_on_after_step`: the optimizer-step progress, which is `trainer.global_step`, and the
-profiler's "optimizer_step") and a scheduler's `step()` called in the step (the learning rate
-the next step reads) are appended to a list while Dynamo runs the step; Dynamo replays the
-appends after each call, with the values the graph computed (`ReduceLROnPlateau.step(loss)`
-gets each step's loss), and they are run in the step's order, once per call.
+What Lightning does around each `opt.step()` (the LightningOptimizer's `_on_before_step` and
+`_on_after_step`: the optimizer-step progress, which is `trainer.global_step`) is traced by
+Dynamo: the counts are graph inputs, written back after each call, and a read of
+`self.global_step` after an update in the step sees it counted. Host code the step calls (a
+scheduler's `step()`: the learning rate the next step reads; a profiler's `start`/`stop`)
+is appended to a list while Dynamo runs the step; Dynamo replays the appends after each
+call, with the values the graph computed (`ReduceLROnPlateau.step(loss)` gets each step's
+loss), and the calls run on the host in the step's order, once per call.
 
 Gradients are device state between calls (`CompiledSteps._gradient_buffers`): a step that
 does not zero them (accumulation by hand, `if (batch_idx + 1) % n == 0: opt.step()`)
@@ -34,6 +36,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch.core.optimizer import do_nothing_closure
+from lightning.pytorch.profilers import PassThroughProfiler
 
 from mncore_device import StaticGraphError
 from mncore_device.capture import traced_call
@@ -49,7 +52,7 @@ class _HostCall:
 
     call: Callable[..., Any] | None  # None: nothing to run (an update: its place only)
     optimizer: Any  # the (unwrapped) optimizer it concerns
-    kind: str  # "update" or "scheduler"
+    kind: str  # "update", "scheduler" or "profiler"
 
 
 class ManualSteps:
@@ -126,7 +129,12 @@ class ManualSteps:
         for config in strategy.lr_scheduler_configs:
             scheduler = config.scheduler
             call = _HostCall(scheduler.step, getattr(scheduler, "optimizer", None), "scheduler")
-            self._patches.append((scheduler.__dict__, "step", _scheduling(call, host_calls)))
+            self._patches.append((scheduler.__dict__, "step", _on_host(call, host_calls)))
+        profiler = module.trainer.profiler
+        if not isinstance(profiler, PassThroughProfiler):  # ("optimizer_step" around updates)
+            for name in ("start", "stop"):
+                call = _HostCall(getattr(profiler, name), None, "profiler")
+                self._patches.append((profiler.__dict__, name, _on_host(call, host_calls)))
 
     def check_capture(self) -> None:
         """While Dynamo hands over a graph: a step that reads a parameter's gradient (`p.grad`:
@@ -365,11 +373,13 @@ def _zeroing(zero: Callable[..., torch.Tensor]) -> Callable[..., None]:
     return zero_grad
 
 
-def _scheduling(call: _HostCall, host_calls: list) -> Callable[..., None]:
-    def step(*args: Any, **kwargs: Any) -> None:
+def _on_host(call: _HostCall, host_calls: list) -> Callable[..., None]:
+    """A call recorded under Dynamo, run on the host after the device call (`replay`)."""
+
+    def record(*args: Any, **kwargs: Any) -> None:
         host_calls.append((call, args, kwargs))
 
-    return step
+    return record
 
 
 def captured_manual_step(strategy: Any) -> CapturedHook:

@@ -399,3 +399,13 @@ class ClosureStep(Manual):
 def test_an_update_with_a_closure_in_a_toggled_optimizer_as_on_cpu():
     cpu, mn, _ = _both_manual(ClosureStep, epochs=2, batches=2)
     assert mn.trainer.global_step == 4
+
+
+def test_a_profiled_manual_step_is_captured_and_profiles_each_update_as_on_cpu():
+    """A profiler's start/stop (Lightning's "optimizer_step" around each update) run on the
+    host after the call, in the step's order: the step is still one Dynamo graph."""
+    cpu, mn, _ = _both_manual(GAN, epochs=1, batches=2, profiler="simple")
+    actions = [
+        p.recorded_durations["optimizer_step"] for p in (cpu.trainer.profiler, mn.trainer.profiler)
+    ]
+    assert len(actions[0]) == len(actions[1]) == 4
