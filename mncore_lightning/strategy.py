@@ -62,8 +62,9 @@ from .step_counters import scheduler_counters
 
 _EVAL_HOOKS = ("validation_step", "test_step", "predict_step")
 # Which frontend captures the steps, while they move to TorchDynamo: "dynamo" (captured_hooks.py:
-# automatic optimization on one device, and evaluation), or "trace" (make_fx with the
-# hand-written interceptions of compiled_hooks.py, which the other steps still use).
+# automatic and manual optimization (captured_manual.py) on one device, and evaluation), or
+# "trace" (make_fx with the hand-written interceptions of compiled_hooks.py, which the other
+# steps still use).
 CAPTURES = ("dynamo", "trace")
 log = logging.getLogger(__name__)
 _WRAPPED_PRECISIONS = ("bf16-mixed", "bf16-true", "16-mixed")
