@@ -247,17 +247,17 @@ class CapturedHook:
             manual.check_capture()
             calls = manual.calls
 
-        hook_logs: list[Any] = []  # a manual step's: logged by hooks run where it is traced
+        traced_steps: list[Any] = []  # a manual step's record of its trace (TracedStep)
 
         def device_step(inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             self.gradient_params.clear()
             if manual is None:
                 outputs = captured.run(inputs, calls)
             else:
-                with manual.tracing() as logs:
+                with manual.tracing() as traced:
                     outputs = captured.run(inputs, calls)
-                hook_logs[:] = [logs]
-                outputs.update(logs.outputs)
+                traced_steps[:] = [traced]
+                outputs.update(traced.outputs)
             return {**outputs, **self._traced_gradients}
 
         self._traced_gradients: dict[str, torch.Tensor] = {}
@@ -278,8 +278,8 @@ class CapturedHook:
             outputs = to_host(compiled(inputs))
             if self.gradient_params:
                 self.gradients = {k: outputs[k] for k in self.gradient_params}
-            if hook_logs:
-                manual.received(hook_logs[0], outputs)
+            if traced_steps:
+                manual.received(traced_steps[0], outputs)
             return outputs
 
         return run

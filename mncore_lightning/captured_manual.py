@@ -20,11 +20,9 @@ is appended to a list while Dynamo runs the step; Dynamo replays the appends aft
 call, with the values the graph computed (`ReduceLROnPlateau.step(loss)` gets each step's
 loss), and the calls run on the host in the step's order, once per call.
 
-Gradients are device state between calls (`CompiledSteps._gradient_buffers`): a step that
-does not zero them (accumulation by hand, `if (batch_idx + 1) % n == 0: opt.step()`)
-accumulates into the previous step's, as on cpu. A gradient that is None on cpu is zeros
-here: the same values, except for an optimizer that steps a parameter whose gradient no
-backward produced since its last `zero_grad()` (cpu skips it).
+Gradients are device state between calls, None where cpu's are (manual_gradients.py): a
+step that does not zero them (accumulation by hand, `if (batch_idx + 1) % n == 0:
+opt.step()`) adds to the previous step's, as on cpu.
 """
 
 from __future__ import annotations
@@ -42,6 +40,7 @@ from mncore_device import StaticGraphError
 from mncore_device.capture import traced_call
 
 from .captured_hooks import CapturedHook, UseTracer
+from .manual_gradients import ManualGradients
 
 _ABSENT = object()
 
@@ -66,9 +65,9 @@ class ManualSteps:
         self.calls: dict[Any, Callable[..., Any]] = {}  # marker -> its work (device graph)
         self._patches: list[tuple[dict, str, Any]] = []  # (an object's __dict__, name, new)
         self._saved: list[tuple[dict, str, Any]] = []
-        self._received: tuple[TracedLogs, Mapping[str, torch.Tensor]] | None = None
+        self._received: tuple[TracedStep, Mapping[str, torch.Tensor]] | None = None
         # gradients are device state: registered before anything is compiled
-        self._buffers = strategy._gradient_buffers()
+        self._gradients = gradients = ManualGradients(strategy._gradient_buffers())
         lightning_optimizers = list(strategy._lightning_optimizers)
         pairs = [(lopt, lopt.optimizer) for lopt in lightning_optimizers]
         host_calls = self.host_calls
@@ -93,7 +92,7 @@ class ManualSteps:
         backward = self._marker("manual_backward", self._backward)
 
         def manual_backward(loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-            backward(loss, *args, **kwargs)
+            backward(loss, *args, _mncore_grads=gradients.key, **kwargs)
 
         def toggle_optimizer(optimizer: Any) -> None:
             toggles[index_of(optimizer)]()
@@ -106,7 +105,9 @@ class ManualSteps:
             gradient_clip_val: float | None = None,
             gradient_clip_algorithm: str | None = None,
         ) -> None:
-            clips[index_of(optimizer)](gradient_clip_val, gradient_clip_algorithm)
+            clips[index_of(optimizer)](
+                gradient_clip_val, gradient_clip_algorithm, _mncore_grads=gradients.key
+            )
 
         for name, function in (
             ("manual_backward", manual_backward),
@@ -121,9 +122,17 @@ class ManualSteps:
             raw_update = self._marker(f"raw_optimizer_step_{index}", self._raw_step(opt))
             update_call = _HostCall(None, opt, "update")
             self._patches += [
-                (lopt.__dict__, "step", _stepping(update, lopt, update_call, host_calls)),
+                (
+                    lopt.__dict__,
+                    "step",
+                    _stepping(update, lopt, update_call, host_calls, gradients),
+                ),
                 (lopt.__dict__, "zero_grad", _zeroing(zero)),
-                (opt.__dict__, "step", _stepping(raw_update, None, update_call, host_calls)),
+                (
+                    opt.__dict__,
+                    "step",
+                    _stepping(raw_update, None, update_call, host_calls, gradients),
+                ),
                 (opt.__dict__, "zero_grad", _zeroing(zero)),
             ]
         for config in strategy.lr_scheduler_configs:
@@ -157,9 +166,14 @@ class ManualSteps:
 
     # --- the markers' work, while the device graph is traced ------------------------------------
 
+    # (`_mncore_grads`: which gradients exist, passed so that Dynamo guards it: see
+    # manual_gradients.py; the work does not need it)
+
     def _backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        kwargs.pop("_mncore_grads")
         module = self.module
-        type(module).manual_backward(module, loss, *args, **kwargs)
+        with self._gradients.backward():
+            type(module).manual_backward(module, loss, *args, **kwargs)
         return loss.detach()
 
     def _toggle(self, optimizer: Any) -> Callable[[], torch.Tensor]:
@@ -183,7 +197,8 @@ class ManualSteps:
     def _clip(self, optimizer: Any) -> Callable[..., torch.Tensor]:
         module = self.module
 
-        def clip(value: float | None, algorithm: str | None) -> torch.Tensor:
+        def clip(value: float | None, algorithm: str | None, _mncore_grads: str) -> torch.Tensor:
+            self._gradients.read(optimizer)
             type(module).clip_gradients(
                 module, optimizer, gradient_clip_val=value, gradient_clip_algorithm=algorithm
             )
@@ -194,6 +209,7 @@ class ManualSteps:
     def _zero_grad(self, optimizer: Any) -> Callable[..., torch.Tensor]:
         def zero_grad(set_to_none: bool = True) -> torch.Tensor:
             optimizer.zero_grad(set_to_none=set_to_none)
+            self._gradients.zeroed(optimizer)
             return torch.zeros(())
 
         return zero_grad
@@ -203,14 +219,16 @@ class ManualSteps:
         on_before_optimizer_step, the optimizer's step); the closure ran in the step."""
         strategy = self.strategy
 
-        def step(**kwargs: Any) -> torch.Tensor:
+        def step(_mncore_grads: str, **kwargs: Any) -> torch.Tensor:
+            self._gradients.read(optimizer)
             strategy.optimizer_step(optimizer, do_nothing_closure, **kwargs)
             return torch.zeros(())
 
         return step
 
     def _raw_step(self, optimizer: Any) -> Callable[..., torch.Tensor]:
-        def step(**kwargs: Any) -> torch.Tensor:
+        def step(_mncore_grads: str, **kwargs: Any) -> torch.Tensor:
+            self._gradients.read(optimizer)
             optimizer.step(**kwargs)
             return torch.zeros(())
 
@@ -242,46 +260,40 @@ class ManualSteps:
                 namespace[name] = previous
 
     @contextlib.contextmanager
-    def tracing(self) -> Iterator[TracedLogs]:
+    def tracing(self) -> Iterator[TracedStep]:
         """While the device graph is traced: the real methods, the gradients from their device
-        buffers (written back at the end: zeros where a gradient ends None), and the precision
-        plugin running backward and the update into the graph. The hooks that run there
-        (`on_after_backward`, `on_before_optimizer_step`: they read gradients) log into the
-        `TracedLogs` yielded, whose tensors the device graph returns."""
+        buffers (manual_gradients.py), and the precision plugin running backward and the
+        update into the graph. The hooks that run there (`on_after_backward`,
+        `on_before_optimizer_step`: they read gradients) log into the `TracedStep` yielded,
+        whose tensors the device graph returns."""
         installed = bool(self._saved)
         self._uninstall()
-        buffers = self._buffers
-        for param, buffer in buffers.items():
-            param.grad = buffer
+        gradients = self._gradients
+        gradients.start()
         precision = self.strategy.precision_plugin
         state = self.module.__dict__
         saved_logs = state.get("log", _ABSENT), state.get("log_dict", _ABSENT)
-        logs = TracedLogs(self.module)
-        state["log"], state["log_dict"] = logs.log, logs.log_dict
+        traced = TracedStep(self.module)
+        state["log"], state["log_dict"] = traced.log, traced.log_dict
         try:
             with precision.tracing_manual_step(after_backward=self.strategy._gradient_reduction()):
-                yield logs
-            with torch.no_grad():
-                for param, buffer in buffers.items():
-                    grad = param.grad
-                    if grad is None:
-                        buffer.zero_()
-                    elif grad is not buffer:
-                        buffer.copy_(grad)
+                yield traced
+            traced.gradients = gradients.finish()
         finally:
             for name, saved in zip(("log", "log_dict"), saved_logs, strict=True):
                 if saved is _ABSENT:
                     state.pop(name, None)
                 else:
                     state[name] = saved
-            for param in buffers:
-                param.grad = None
+            gradients.clear()
             if installed:
                 self._install()
 
-    def received(self, logs: TracedLogs, outputs: Mapping[str, torch.Tensor]) -> None:
-        """A call of the graph traced with `logs` returned `outputs`: replayed by `replay`."""
-        self._received = (logs, outputs) if logs.calls else None
+    def received(self, traced: TracedStep, outputs: Mapping[str, torch.Tensor]) -> None:
+        """A call of the graph traced as `traced` returned `outputs`: its logs are replayed
+        by `replay`; which gradients exist after it is known now."""
+        self._gradients.called(traced.gradients)
+        self._received = (traced, outputs) if traced.calls else None
 
     def replay(self) -> None:
         """The host calls of the last call, in the step's order."""
@@ -305,10 +317,11 @@ class ManualSteps:
             logs.replay(outputs)
 
 
-class TracedLogs:
-    """`self.log` in the hooks that run while the device graph is traced: a tensor logged
-    there is an output of the graph, logged after each call with its value, as the hook
-    (`module._current_fx_name`) would; a Python number is logged as it was when traced."""
+class TracedStep:
+    """What tracing one device graph recorded: `self.log` in the hooks that run there (a
+    tensor logged is an output of the graph, logged after each call with its value, as the
+    hook, `module._current_fx_name`, would; a Python number is logged as it was when traced),
+    and which gradients exist after the graph (ManualGradients.finish)."""
 
     PREFIX = "manual_log/"
 
@@ -316,6 +329,7 @@ class TracedLogs:
         self.module = module
         self.calls: list[tuple[str, str | None, Any, tuple, dict, str | None]] = []
         self.outputs: dict[str, torch.Tensor] = {}
+        self.gradients: dict[int, bool] = {}
 
     def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         key = None
@@ -346,6 +360,7 @@ def _stepping(
     lightning_optimizer: Any,
     update_call: _HostCall,
     host_calls: list,
+    gradients: ManualGradients,
 ) -> Callable[..., Any]:
     """`opt.step(closure=None, **kwargs)` under Dynamo: the closure (forward and backward)
     runs in the step, the update is a marker. A LightningOptimizer's hooks around it (the
@@ -358,7 +373,7 @@ def _stepping(
             lightning_optimizer._on_before_step()
         host_calls.append((update_call, (), {}))  # where the update is, among host calls
         output = closure() if closure is not None else None
-        update(**kwargs)
+        update(_mncore_grads=gradients.key, **kwargs)
         if lightning_optimizer is not None:
             lightning_optimizer._on_after_step()
         return output

@@ -147,14 +147,15 @@ class AccumulatesByHand(Manual):
         return loss
 
 
-def test_accumulation_by_hand_as_on_cpu_with_two_graphs():
+def test_accumulation_by_hand_as_on_cpu_with_three_graphs():
     """3 batches an epoch, 3 epochs: the windows end at batch_idx 1 of each epoch, and the
     gradients of batch_idx 2 carry over into the next epoch's first window, as on cpu. Dynamo
-    guards the comparison on batch_idx: two graphs (with and without the update) for the 9
-    steps, and 3 optimizer steps."""
+    guards the comparison on batch_idx and which gradients exist: three graphs for the 9
+    steps (a window's first micro-batch, starting without gradients; a later one; the one
+    with the update), and 3 optimizer steps."""
     cpu, mn, _ = _both_manual(AccumulatesByHand, epochs=3, batches=3)
     assert mn.trainer.global_step == 3
-    assert mn.graphs.functions == 2
+    assert mn.graphs.functions == 3
 
 
 class GAN(L.LightningModule):
@@ -409,3 +410,33 @@ def test_a_profiled_manual_step_is_captured_and_profiles_each_update_as_on_cpu()
         p.recorded_durations["optimizer_step"] for p in (cpu.trainer.profiler, mn.trainer.profiler)
     ]
     assert len(actions[0]) == len(actions[1]) == 4
+
+
+class ZeroesAtTheEnd(Manual):
+    """backward, step, zero_grad (Lightning's GAN tutorial order), with a parameter no loss
+    uses and weight decay: on cpu its gradient stays None, and SGD skips it at every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = nn.Parameter(torch.ones(3))
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        loss = self.loss(batch)
+        self.manual_backward(loss)
+        opt.step()
+        opt.zero_grad()
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.5, weight_decay=0.1)
+
+
+def test_a_gradient_that_is_none_on_cpu_is_none_in_the_captured_step():
+    """The gradients are device state between steps, but None where cpu's are: the unused
+    parameter is never updated, and the step is one graph (it never uses a gradient from
+    before it)."""
+    cpu, mn, _ = _both_manual(ZeroesAtTheEnd, epochs=2, batches=2)
+    assert torch.equal(mn.model.unused.detach(), torch.ones(3))
+    assert mn.graphs.functions == 1
