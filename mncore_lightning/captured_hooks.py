@@ -244,7 +244,7 @@ class CapturedHook:
         calls = {self._update: self._backward_and_update} if self._update is not None else {}
         manual = self._manual
         if manual is not None:
-            manual.check_capture()
+            manual.check_capture(captured)
             calls = manual.calls
 
         traced_steps: list[Any] = []  # a manual step's record of its trace (TracedStep)

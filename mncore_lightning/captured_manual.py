@@ -37,7 +37,7 @@ from lightning.pytorch.core.optimizer import do_nothing_closure
 from lightning.pytorch.profilers import PassThroughProfiler
 
 from mncore_device import StaticGraphError
-from mncore_device.capture import traced_call
+from mncore_device.capture import CapturedGraph, traced_call
 
 from .captured_hooks import CapturedHook, UseTracer
 from .manual_gradients import ManualGradients
@@ -135,39 +135,66 @@ class ManualSteps:
                 ),
                 (opt.__dict__, "zero_grad", _zeroing(zero)),
             ]
+        stepped = self._marker("scheduler_step", self._scheduler_stepped)
+        self._stale_reads: set[str] | None = None  # what the step had read at its first one
         for config in strategy.lr_scheduler_configs:
             scheduler = config.scheduler
             call = _HostCall(scheduler.step, getattr(scheduler, "optimizer", None), "scheduler")
-            self._patches.append((scheduler.__dict__, "step", _on_host(call, host_calls)))
+            self._patches.append((scheduler.__dict__, "step", _on_host(call, host_calls, stepped)))
         profiler = module.trainer.profiler
         if not isinstance(profiler, PassThroughProfiler):  # ("optimizer_step" around updates)
             for name in ("start", "stop"):
                 call = _HostCall(getattr(profiler, name), None, "profiler")
                 self._patches.append((profiler.__dict__, name, _on_host(call, host_calls)))
 
-    def check_capture(self) -> None:
-        """While Dynamo hands over a graph: a step that reads a parameter's gradient (`p.grad`:
-        to change or log it between backward and step) read the host's, None, as the
-        gradients exist only in the device graph; it goes to the make_fx tracer, which traces
-        the step with them. Dynamo guards what it read: a guard on a `.grad` is such a read."""
-        context = torch._guards.TracingContext.try_get()
-        guards = context.guards_context.dynamo_guards if context is not None else ()
-        read = sorted({g.name for g in guards if g.name.endswith(".grad")})
-        if read:
+    def check_capture(self, captured: CapturedGraph) -> None:
+        """While Dynamo hands over a graph, what it read that a captured manual step cannot
+        give as cpu would; such a step goes to the make_fx tracer, which traces it with the
+        real values. Dynamo guards what the step read (or makes it a graph input):
+
+        - a parameter's gradient (`p.grad`, to change or log it between backward and step):
+          Dynamo read the host's, None; the gradients exist only in the device graph;
+        - a learning rate, or a scheduler's state, first read after a scheduler's `step()`
+          in the step: the scheduler steps on the host after the call, so the read gave the
+          value before it (a value read before the scheduler's step is read as on cpu)."""
+        read = _reads(captured)
+        gradients = sorted(name for name in read if name.endswith(".grad"))
+        if gradients:
             raise UseTracer(
-                f"training_step reads gradients ({', '.join(read[:3])}), which a captured "
-                "manual step computes only in the device graph"
+                f"training_step reads gradients ({', '.join(gradients[:3])}), which a "
+                "captured manual step computes only in the device graph"
             )
+        if self._stale_reads is not None:
+            stale = sorted(
+                name
+                for name in read - self._stale_reads
+                if ("param_groups" in name or "lr_scheduler_configs" in name)
+                and ".step.__closure__" not in name  # the patched step's own cells
+            )
+            if stale:
+                raise UseTracer(
+                    f"training_step reads {stale[0]} after a scheduler's step(), which a "
+                    "captured manual step runs on the host after the device call"
+                )
 
     def _marker(self, name: str, work: Callable[..., Any]) -> Callable[..., torch.Tensor]:
-        marker = traced_call(f"mncore_manual_{name}")
+        marker = traced_call(f"mncore_manual_{name}", on_capture=self._captured_at)
         self.calls[marker] = work
         return marker
+
+    def _captured_at(self, name: str) -> None:
+        """Dynamo meets marker `name`: at the first scheduler step, note what the step has
+        read so far (check_capture)."""
+        if name.endswith("scheduler_step") and self._stale_reads is None:
+            self._stale_reads = _reads(None)
 
     # --- the markers' work, while the device graph is traced ------------------------------------
 
     # (`_mncore_grads`: which gradients exist, passed so that Dynamo guards it: see
     # manual_gradients.py; the work does not need it)
+
+    def _scheduler_stepped(self) -> torch.Tensor:
+        return torch.zeros(())  # the scheduler steps on the host, after the call
 
     def _backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         kwargs.pop("_mncore_grads")
@@ -240,6 +267,7 @@ class ManualSteps:
     def installed(self) -> Iterator[None]:
         """The markers stand in for the methods while the step runs (under Dynamo)."""
         self.host_calls.clear()
+        self._stale_reads = None
         self._install()
         try:
             yield
@@ -388,13 +416,33 @@ def _zeroing(zero: Callable[..., torch.Tensor]) -> Callable[..., None]:
     return zero_grad
 
 
-def _on_host(call: _HostCall, host_calls: list) -> Callable[..., None]:
-    """A call recorded under Dynamo, run on the host after the device call (`replay`)."""
+def _on_host(
+    call: _HostCall, host_calls: list, marker: Callable[[], Any] | None = None
+) -> Callable[..., None]:
+    """A call recorded under Dynamo, run on the host after the device call (`replay`);
+    `marker` notes where in the step it was called."""
 
     def record(*args: Any, **kwargs: Any) -> None:
         host_calls.append((call, args, kwargs))
+        if marker is not None:
+            marker()
 
     return record
+
+
+def _reads(captured: CapturedGraph | None) -> set[str]:
+    """What the step Dynamo is capturing has read so far: the sources of its guards and of
+    its graph's inputs (`captured`'s, or the graph being built)."""
+    context = torch._guards.TracingContext.try_get()
+    read = {g.name for g in context.guards_context.dynamo_guards} if context else set()
+    if captured is not None:
+        read.update(spec.source for spec in captured.inputs)
+    else:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        read.update(arg.source.name for arg in tx.output.graphargs if arg.source is not None)
+    return read
 
 
 def captured_manual_step(strategy: Any) -> CapturedHook:

@@ -440,3 +440,29 @@ def test_a_gradient_that_is_none_on_cpu_is_none_in_the_captured_step():
     cpu, mn, _ = _both_manual(ZeroesAtTheEnd, epochs=2, batches=2)
     assert torch.equal(mn.model.unused.detach(), torch.ones(3))
     assert mn.graphs.functions == 1
+
+
+class LogsTheLearningRateAfterItsStep(SchedulerInTheStep):
+    """The learning rate read after sch.step() in the same step: on cpu, the new one."""
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        loss = self.loss(batch)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        self.lr_schedulers().step()
+        self.log("train_loss", loss)
+        self.log("lr_after", opt.param_groups[0]["lr"])
+        return loss
+
+
+def test_the_learning_rate_read_after_a_scheduler_step_in_the_step_as_on_cpu():
+    """The scheduler steps on the host after the device call: a read of what it changes
+    after it, in the same step, would read the value before it; such a step is traced with
+    make_fx, which reads it as on cpu."""
+    cpu = _fit("cpu", LogsTheLearningRateAfterItsStep, epochs=2, batches=2)
+    captured = Captured()
+    mn = _fit("mncore", LogsTheLearningRateAfterItsStep, epochs=2, batches=2, callbacks=[captured])
+    _assert_same(cpu, mn)
+    assert "train" in captured.traced

@@ -24,11 +24,14 @@ from torch._subclasses.fake_tensor import is_fake
 from ..errors import StaticGraphError
 
 
-def traced_call(name: str) -> Callable[..., torch.Tensor]:
+def traced_call(
+    name: str, on_capture: Callable[[str], None] | None = None
+) -> Callable[..., torch.Tensor]:
     """A new marker named `name`: `marker(*args, **kwargs)` is one graph node with a side
     effect (never removed as unused), in the step's order. Dynamo runs it on fake tensors
     only (to learn its output: a detached copy of its first tensor argument, or a 0-d tensor
-    when it has none); run on real tensors, the step ran eagerly, and it raises."""
+    when it has none), and then calls `on_capture(name)`, while it is still capturing the
+    step up to that point; run on real tensors, the step ran eagerly, and it raises."""
 
     def marker(*args: Any, **kwargs: Any) -> torch.Tensor:
         tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
@@ -39,6 +42,8 @@ def traced_call(name: str) -> Callable[..., torch.Tensor]:
                 "eagerly (past its re-compile limit, or a graph break at this call), so its "
                 "work (a backward, an optimizer update) would be skipped"
             )
+        if on_capture is not None:
+            on_capture(name)
         return result
 
     marker.__name__ = marker.__qualname__ = name
