@@ -20,6 +20,7 @@ the call.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -72,10 +73,16 @@ _summary_writer_calls_are_host_code()
 
 # The ints that change every step: batch_idx and dataloader_idx (the hook's arguments), and
 # whatever the step reads through the trainer (global_step, current_epoch, a scheduler's
-# last_epoch). They are graph inputs from the start: no re-compile when they first change.
+# last_epoch) or counts itself (a manual step's optimizer steps). They are graph inputs from
+# the start: no re-compile when they first change.
 # So is the batch size (the first dimension of the batch's tensors): a short last batch
 # compiles another device graph, without a re-compile of the Python step.
-_COUNTERS = (r".*\['args'\]\[[12]\]$", r".*\._trainer\..*", r".*\['args'\]\[0\].*:0")
+_COUNTERS = (
+    r".*\['args'\]\[[12]\]$",
+    r".*\._trainer\..*",
+    r".*\['args'\]\[0\].*:0",
+    r".*\.optim_step_progress\..*",  # a manual step's optimizer-step count (captured_manual.py)
+)
 
 
 class UseTracer(Exception):  # noqa: N818 - a signal, not an error the user sees
@@ -112,6 +119,8 @@ class CapturedHook:
     optimizer: for `training_step`, the optimizer the device graph updates with (automatic
     optimization); None for forward-only hooks.
     update_options: the keywords of `backward_and_update` (accumulation, clipping, ...).
+    manual: for a manual-optimization `training_step`, its markers and host calls
+    (captured_manual.ManualSteps); the step is then one device call, as with `optimizer`.
     compile_options: the keywords of `Context.compile` for each graph; "codegen_dir" is a
     function giving the folder of the next graph (or None).
     """
@@ -123,12 +132,14 @@ class CapturedHook:
         *,
         optimizer: torch.optim.Optimizer | None = None,
         update_options: Mapping[str, Any] | None = None,
+        manual: Any = None,
         fullgraph: bool = False,
         compile_options: Mapping[str, Any],
     ) -> None:
         self.strategy = strategy
         self.hook_name = hook_name
         self.optimizer = optimizer
+        self._manual = manual
         self.module = module = strategy.lightning_module
         self.context: Context = strategy.context
         self._update_options = dict(update_options or {})
@@ -139,7 +150,8 @@ class CapturedHook:
         self.gradient_params: dict[str, torch.Tensor] = {}
         self.gradients: dict[str, torch.Tensor] = {}  # the last call's, by gradient_params key
         self.compiled: list[Any] = []  # the device functions, one per graph
-        self._failed_guards: set[str] = set()
+        self._failed_guards: dict[str, int] = {}  # guard -> the call at which it last failed
+        self._calls = 0
         self._derived: dict[tuple[int, str, int | None], Any] = {}  # by log call: see _replay_logs
         self.batch_specs: dict[str, Any] | None = None
         self.batch_shapes: list[Any] | None = (
@@ -170,14 +182,19 @@ class CapturedHook:
         )
 
     def __call__(self, *args: Any) -> Any:
-        output = self._run_step(args)
+        manual = self._manual
+        with manual.installed() if manual is not None else contextlib.nullcontext():
+            output = self._run_step(args)
         if self._update is not None:
             _loss_of(output)  # a step without a loss (None, say) ran no update: refused
+        if manual is not None:
+            manual.replay()  # Lightning's bookkeeping of each opt.step(), scheduler steps
         self._replay_logs(self.module, _leading_size(args[0]) if args else None)
         return output
 
     def _run_step(self, args: tuple) -> Any:
         """The hook under Dynamo, its `self.log` calls recorded in `self._logs.calls`."""
+        self._calls += 1
         self._logs.calls.clear()
         state = self.module.__dict__  # not nn.Module.__setattr__: this runs every step
         state["log"], state["log_dict"] = self._log, self._log_dict
@@ -203,12 +220,14 @@ class CapturedHook:
             module.log(name, value, *args, **kwargs)  # a module's own `log` sees every call
 
     def _retraced(self, reason: str) -> None:
-        """Report a re-compile; the same guard failing a second time is a value that changes
-        at every call (a growing list's length): the hook goes to the tracer."""
+        """Report a re-compile; the same guard failing again at the next call is a value that
+        changes at every call (a growing list's length): the hook goes to the tracer. One that
+        fails again later (a value a hook changes once an epoch) is re-compiled for, up to
+        max_retraces."""
         guard = _guard_of(reason)
-        if guard in self._failed_guards:
+        if self._failed_guards.get(guard) == self._calls - 1:
             raise UseTracer(f"{self.hook_name} re-compiles at every call: {reason}")
-        self._failed_guards.add(guard)
+        self._failed_guards[guard] = self._calls
         self.strategy._retrace(self.hook_name, reason)
 
     @property
@@ -219,10 +238,22 @@ class CapturedHook:
         """Trace one captured graph (with the update, at the marker) into a device function."""
         self._refuse_host_code()
         calls = {self._update: self._backward_and_update} if self._update is not None else {}
+        manual = self._manual
+        if manual is not None:
+            manual.check_capture(captured)
+            calls = manual.calls
+
+        traced_steps: list[Any] = []  # a manual step's record of its trace (TracedStep)
 
         def device_step(inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             self.gradient_params.clear()
-            outputs = captured.run(inputs, calls)
+            if manual is None:
+                outputs = captured.run(inputs, calls)
+            else:
+                with manual.tracing() as traced:
+                    outputs = captured.run(inputs, calls)
+                traced_steps[:] = [traced]
+                outputs.update(traced.outputs)
             return {**outputs, **self._traced_gradients}
 
         self._traced_gradients: dict[str, torch.Tensor] = {}
@@ -243,6 +274,8 @@ class CapturedHook:
             outputs = to_host(compiled(inputs))
             if self.gradient_params:
                 self.gradients = {k: outputs[k] for k in self.gradient_params}
+            if traced_steps:
+                manual.received(traced_steps[0], outputs)
             return outputs
 
         return run
@@ -250,7 +283,7 @@ class CapturedHook:
     def _refuse_host_code(self) -> None:
         """A training step with a graph break would span device calls around its backward:
         an error with fullgraph=True, else the make_fx tracer (UseTracer)."""
-        if self._update is not None and self.frontend.breaks:
+        if (self._update is not None or self._manual is not None) and self.frontend.breaks:
             breaks = "; ".join(map(str, self.frontend.breaks))
             if self.frontend.fullgraph:
                 raise StaticGraphError(

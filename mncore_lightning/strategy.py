@@ -49,6 +49,7 @@ from mncore_device.specs import check_input
 from .accelerator import MNCoreAccelerator
 from .captured_groups import run_captured_group
 from .captured_hooks import CapturedHook, UseTracer
+from .captured_manual import captured_manual_step
 from .carried_state import signature as carried_signature
 from .compiled_hooks import BatchLayout, CompiledHook, compile_hook, shape_change
 from .data import LAST_BATCH_OPTIONS, StepGroup, StepGroups, with_drop_last
@@ -62,9 +63,9 @@ from .step_counters import scheduler_counters
 
 _EVAL_HOOKS = ("validation_step", "test_step", "predict_step")
 # Which frontend captures the steps, while they move to TorchDynamo: "dynamo" (captured_hooks.py:
-# automatic optimization, steps_per_call groups (captured_groups.py), data parallel, and
-# evaluation), or "trace" (make_fx with the hand-written interceptions of compiled_hooks.py,
-# which the other steps still use).
+# automatic and manual optimization (captured_manual.py), steps_per_call groups
+# (captured_groups.py), data parallel, and evaluation), or "trace" (make_fx with the
+# hand-written interceptions of compiled_hooks.py, which the other steps still use).
 CAPTURES = ("dynamo", "trace")
 log = logging.getLogger(__name__)
 _WRAPPED_PRECISIONS = ("bf16-mixed", "bf16-true", "16-mixed")
@@ -397,12 +398,16 @@ class CompiledSteps:
         rank_zero_info(f"MN-Core: tracing {signal.reason}; it is traced with make_fx instead")
 
     def _is_captured_training(self, steps: int | None) -> bool:
-        """Whether the training step runs through the Dynamo frontend (captured_hooks.py)."""
+        """Whether the training step runs through the Dynamo frontend (captured_hooks.py;
+        captured_manual.py for manual optimization)."""
         module = self.lightning_module
         return (
             self.capture == "dynamo"
             and "train" not in self._traced
-            and module.automatic_optimization
+            and (  # manual optimization: one step per call, on one device
+                module.automatic_optimization
+                or (steps is None and type(self)._train_plan is CompiledSteps._train_plan)
+            )
             and not torch.is_anomaly_enabled()
         )
 
@@ -413,6 +418,8 @@ class CompiledSteps:
         accumulating, update = self._train_plan(False, window, update)
         key = ("train", window, update)
         hook = self._captured.get(key)
+        if hook is None and not self.lightning_module.automatic_optimization:
+            hook = self._captured[key] = captured_manual_step(self)
         if hook is None:
             hook = CapturedHook(
                 self,
