@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from .._source import user_frame
 from ..errors import StaticGraphError
 from ..specs import TensorSpec, check_input_keys, conform_input
 from .dynamo import MUTATED_PREFIX, CapturedGraph, DynamoFrontend, InputKind
@@ -148,6 +149,16 @@ class CapturedFunction:
         try:
             with substituted():
                 return self.frontend(inputs)
+        except torch._dynamo.exc.UserError as error:  # a branch on a value, say
+            stack = list(getattr(error, "real_stack", None) or [])
+            where = user_frame(stack) if stack else None
+            raise StaticGraphError(
+                "the compiled function cannot be one static graph"
+                + (f", at {where}" if where else "")
+                + f": {str(error).strip().splitlines()[0]} "
+                "(a compiled function is one device call: its control flow cannot depend on "
+                "the values of tensors; compute with torch.where or masks instead)"
+            ) from None
         finally:
             self._inputs = {}
 

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from ..registry import device_optimizer_for
+
 _active = [0]  # > 0 while a Context.compile'd step is called (Dynamo may trace it then)
 _works: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> {name: work}
 _BACKWARD_DONE = "_mncore_backward_done"  # set on Dynamo's OutputGraph after a backward node
@@ -70,7 +72,8 @@ def _work(optimizer: torch.optim.Optimizer, name: str) -> Callable[..., None]:
         reference = weakref.ref(optimizer)
 
         def work(*args: Any, **kwargs: Any) -> None:
-            getattr(reference(), name)(*args, **kwargs)
+            # the optimizer the device runs in its place, if registry.register converted it
+            getattr(device_optimizer_for(reference()), name)(*args, **kwargs)
 
         work.__qualname__ = work.__name__ = f"mncore_{type(optimizer).__name__}_{name}"
         work._mncore_training_call = True
@@ -114,8 +117,8 @@ def _install() -> None:
                 context=f".grad of {self}",
                 explanation="In a step compiled by Context.compile, loss.backward() runs when "
                 "the device graph is built; the step's Python code cannot read the gradients "
-                "it computes (gradient clipping or a gradient check on the host). Clip inside "
-                "the optimizer, or compile the step with options={'backprop': True}.",
+                "it computes (gradient clipping or a gradient check on the host). Clip in "
+                "the optimizer's step (a torch.optim subclass), which runs in the device graph.",
                 hints=[],
             )
         return original_grad(self, tx)
