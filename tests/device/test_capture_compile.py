@@ -344,3 +344,25 @@ def test_the_mlsdk_backend_receives_a_replay_of_the_captured_graph(monkeypatch, 
     assert all(
         torch.equal(a, b) for a, b in zip(model.parameters(), emulated.parameters(), strict=True)
     )
+
+
+def test_a_function_compiled_in_eval_mode_stays_in_eval_mode(context):
+    """PFN's scripts compile the evaluation under model.eval(), then go back to train mode:
+    the mode at compile is part of the compiled function (as on MLSDK), not a re-compile."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    optimizer = make_sgd(model.parameters(), momentum=0.0)
+    register(context, model, optimizer)
+    batches = classification_batches(3, 8, 4, 2)
+    train = compile_dynamo(context, mlsdk_step(model, optimizer), batches[0])
+    model.eval()
+    evaluate = compile_dynamo(context, lambda b: {"y": model(b["x"])}, {"x": batches[0]["x"]})
+    model.train()
+    for batch in batches:
+        train(batch)
+    logits = evaluate({"x": batches[0]["x"]})["y"]
+    assert model.training and all(m.training for m in model.modules())
+    context.synchronize()
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(logits, model(batches[0]["x"]))
+    assert train.retraces == [] and evaluate.retraces == []

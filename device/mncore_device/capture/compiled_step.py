@@ -21,8 +21,14 @@ a call never runs a stale value:
   after the backward) is a StaticGraphError naming the user's line: a compiled function is
   one device call (fullgraph).
 
-Gradients are not device state: every call starts from no gradients, as a step that calls
-`zero_grad()` first does.
+Two things are part of the compiled function, as on MLSDK, rather than reads that change:
+
+- the train/eval mode of the modules the function reaches (through its closure cells and the
+  globals it names): a call runs in the mode they had at compile, whatever their mode at the
+  call (PFN's scripts compile an evaluation function under `model.eval()`, then go back to
+  `model.train()` and compile the training step);
+- gradients are not device state: every call starts from no gradients, as a step that calls
+  `zero_grad()` first does.
 
 The backend (the emulator, or MLSDK) receives a function that replays the captured FX graph
 (`CapturedGraph.run`), never the user's code, with the sample's input keys (plus the
@@ -44,7 +50,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from .._source import user_frame
 from ..errors import StaticGraphError
-from ..specs import TensorSpec, check_input_keys, conform_input
+from ..specs import TensorSpec, check_input_keys, check_real, conform_input
 from .dynamo import MUTATED_PREFIX, CapturedGraph, DynamoFrontend, InputKind
 from .scalars import ScalarsAsTensors
 from .training_calls import substituted
@@ -104,6 +110,8 @@ class CapturedFunction:
                 raise TypeError(
                     f"compile: input {key!r} must be a torch.Tensor, got {type(value).__name__}"
                 )
+            check_real(key, value, "a sample input of compile")
+        self._modes = [(m, m.training) for m in _modules_of(function)]
 
         def step(inputs: Mapping[str, torch.Tensor]) -> Any:
             result = function(inputs)
@@ -146,6 +154,9 @@ class CapturedFunction:
 
     def _run(self, inputs: dict[str, torch.Tensor]) -> Any:
         self._inputs = inputs
+        changed = [m for m, training in self._modes if m.training != training]
+        for module in changed:  # the mode the function was compiled in (see the docstring)
+            module.training = not module.training
         try:
             with substituted():
                 return self.frontend(inputs)
@@ -161,6 +172,8 @@ class CapturedFunction:
             ) from None
         finally:
             self._inputs = {}
+            for module in changed:
+                module.training = not module.training
 
     @property
     def retraces(self) -> list[str]:
@@ -236,6 +249,32 @@ class CapturedFunction:
             return named
 
         return run
+
+
+def _modules_of(function: Any, depth: int = 0) -> list[torch.nn.Module]:
+    """The modules (and their submodules) `function` reaches through its closure cells, the
+    globals it names, the object it is bound to, and the functions it reaches so (2 deep)."""
+    code = getattr(function, "__code__", None)
+    bound = getattr(function, "__self__", None)
+    values = [bound] if bound is not None else []
+    if code is not None:
+        values += [cell.cell_contents for cell in function.__closure__ or () if _filled(cell)]
+        names = getattr(function, "__globals__", {})
+        values += [names[name] for name in code.co_names if name in names]
+    found: dict[int, torch.nn.Module] = {}
+    for value in values:
+        if isinstance(value, torch.nn.Module):
+            found.update((id(m), m) for m in value.modules())
+        elif callable(value) and hasattr(value, "__code__") and depth < 2:
+            found.update((id(m), m) for m in _modules_of(value, depth + 1))
+    return list(found.values())
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        return cell.cell_contents is not _filled  # any value at all
+    except ValueError:  # a cell not assigned yet
+        return False
 
 
 def _input_keys(captured: CapturedGraph) -> dict[str, str]:
