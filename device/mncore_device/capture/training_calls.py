@@ -34,6 +34,7 @@ import torch
 
 from ..registry import device_optimizer_for
 
+_installed: list[bool] = []  # whether _install ran
 _active = [0]  # > 0 while a Context.compile'd step is called (Dynamo may trace it then)
 _works: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> {name: work}
 _BACKWARD_DONE = "_mncore_backward_done"  # set on Dynamo's OutputGraph after a backward node
@@ -42,7 +43,9 @@ _BACKWARD_DONE = "_mncore_backward_done"  # set on Dynamo's OutputGraph after a 
 @contextlib.contextmanager
 def substituted() -> Iterator[None]:
     """Dynamo records backward, step and zero_grad as nodes (see the module docstring)."""
-    _install()
+    if not _installed:
+        _install()
+        _installed.append(True)
     _active[0] += 1
     try:
         yield
