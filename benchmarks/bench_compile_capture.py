@@ -3,7 +3,8 @@ captured by TorchDynamo (capture="dynamo"), side by side.
 
 The step is the MLSDK tutorial's: the 1024-256-10 MLP, batch 64, torch.optim.SGD with
 momentum, `zero_grad`, `loss.backward()`, `step` inside the compiled function. For each mode,
-in a fresh process each time (cold: nothing of Dynamo or the model traced before):
+in a fresh process each time, on an empty Inductor cache (cold: nothing of Dynamo, Inductor or
+the model built before):
 
   - compile_s: the wall time of `context.compile(...)`;
   - call_us: the median host time of one compiled call (O0 interpreter included), over
@@ -21,6 +22,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -94,7 +96,11 @@ def main() -> None:
         for mode in MODES:  # interleaved: the machine's load hits both alike
             command = [sys.executable, __file__, "--child", mode, "--preset", args.preset]
             command += ["--calls", str(args.calls)]
-            output = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+            with tempfile.TemporaryDirectory() as cache:  # Inductor's cache: cold for each
+                child_env = {**env, "TORCHINDUCTOR_CACHE_DIR": cache}
+                output = subprocess.run(
+                    command, env=child_env, capture_output=True, text=True, check=True
+                )
             runs[mode].append(json.loads(output.stdout.strip().splitlines()[-1]))
     summary = {
         mode: {
