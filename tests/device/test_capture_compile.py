@@ -366,3 +366,20 @@ def test_a_function_compiled_in_eval_mode_stays_in_eval_mode(context):
     with torch.no_grad():
         assert torch.equal(logits, model(batches[0]["x"]))
     assert train.retraces == [] and evaluate.retraces == []
+
+
+def test_a_dropped_compiled_function_frees_its_device_function(context):
+    """Dynamo keeps what it compiled in a process-wide registry: the device function (its
+    device memory, an MLSDK function's codegen directory) must not stay there with it."""
+    import gc
+    import weakref
+
+    model = small_model()
+    register(context, model)
+    batch = classification_batches(1, 8, 4, 2)[0]
+    compiled = compile_dynamo(context, lambda b: {"y": model(b["x"])}, {"x": batch["x"]})
+    compiled({"x": batch["x"]})
+    device_function = weakref.ref(compiled.functions[0])
+    del compiled
+    gc.collect()
+    assert device_function() is None

@@ -41,6 +41,7 @@ import os
 import re
 import time
 import warnings
+import weakref
 from ast import literal_eval
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -232,16 +233,21 @@ class CapturedFunction:
         codegen_dir = self._codegen_dir
         if codegen_dir is not None and self.functions:
             codegen_dir = os.path.join(os.fspath(codegen_dir), f"recompile_{len(self.functions)}")
-        device = self._compile_replay(replay, sample, codegen_dir)
-        self.functions.append(device)
+        self.functions.append(self._compile_replay(replay, sample, codegen_dir))
+        index = len(self.functions) - 1
+
+        # Dynamo keeps `run` in a process-wide registry (until the code it captured dies, which
+        # the registry itself delays): `run` holds this object and its device functions weakly
+        owner = weakref.ref(self)
 
         def run(device_inputs: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-            if self._dry_run:  # compile time: the values the trace computed, nothing runs
+            this = owner()
+            if this._dry_run:  # compile time: the values the trace computed, nothing runs
                 result = {k: _host_value(v) for k, v in traced.items()}
             else:
-                call = dict(self._inputs)
+                call = dict(this._inputs)
                 call.update((key, device_inputs[name]) for name, key in keys.items())
-                result = device(call)
+                result = this.functions[index](call)
             named = {str(i): result[key] for i, key in enumerate(outputs)}
             for name, key in keys.items():
                 if MUTATED + key in result:
