@@ -168,8 +168,9 @@ class CapturedFunction:
                 "the compiled function cannot be one static graph"
                 + (f", at {where}" if where else "")
                 + f": {str(error).strip().splitlines()[0]} "
-                "(a compiled function is one device call: its control flow cannot depend on "
-                "the values of tensors; compute with torch.where or masks instead)"
+                "(a compiled function is one device call: a value it computes cannot decide "
+                "the host's control flow or become a host number; compute with torch.where or "
+                "masks, or draw random numbers with torch)"
             ) from None
         finally:
             self._inputs = {}
