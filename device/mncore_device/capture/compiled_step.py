@@ -334,4 +334,4 @@ def _check_outputs(result: Any) -> None:
             )
 
 
-__all__ = ["CapturedFunction", "RecompileWarning", "StaticGraphError", "is_replay"]
+__all__ = ["CapturedFunction", "RecompileWarning", "is_replay"]

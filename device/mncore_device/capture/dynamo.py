@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import types
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -460,6 +461,9 @@ def own_code(function: types.FunctionType) -> types.FunctionType:
     )
 
 
+_FRAME_NUMBERS = itertools.count()
+
+
 def _own_frame(function: Callable[..., Any]) -> Callable[..., Any]:
     """`function` called from a code object of its own: Dynamo keeps its compiled graphs, the
     count of re-compiles and what it learned about changing values per code object, so each
@@ -468,12 +472,15 @@ def _own_frame(function: Callable[..., Any]) -> Callable[..., Any]:
     def captured_step(*args: Any, **kwargs: Any) -> Any:
         return function(*args, **kwargs)
 
-    code = captured_step.__code__.replace()
+    # a name of its own too: Dynamo keeps what it learned of changing sizes and numbers
+    # (automatic dynamic) for the whole process by file, line and name of the code
+    name = f"captured_step_{next(_FRAME_NUMBERS)}"
+    code = captured_step.__code__.replace(co_name=name, co_qualname=name)
     assert code is not captured_step.__code__
     # globals of its own too: Dynamo stores each compiled graph in the frame's globals
     # (__compiled_fn_*), which must go with this frontend, not stay in this module's forever
     own_globals = {"__builtins__": captured_step.__globals__["__builtins__"]}
-    return types.FunctionType(code, own_globals, "captured_step", None, captured_step.__closure__)
+    return types.FunctionType(code, own_globals, name, None, captured_step.__closure__)
 
 
 def _break_reason(reason: str, exc: Any) -> str:

@@ -62,11 +62,6 @@ _backward.__qualname__ = _backward.__name__ = "mncore_backward"
 torch.fx.node.has_side_effect(_backward)
 
 
-def is_training_call(target: Any) -> bool:
-    """Whether an FX node's target is one of these substituted calls."""
-    return target is _backward or getattr(target, "_mncore_training_call", False)
-
-
 def _work(optimizer: torch.optim.Optimizer, name: str) -> Callable[..., None]:
     """The function an optimizer's `name` node calls (one per optimizer and method)."""
     works = _works.setdefault(optimizer, {})
@@ -79,7 +74,6 @@ def _work(optimizer: torch.optim.Optimizer, name: str) -> Callable[..., None]:
             getattr(device_optimizer_for(reference()), name)(*args, **kwargs)
 
         work.__qualname__ = work.__name__ = f"mncore_{type(optimizer).__name__}_{name}"
-        work._mncore_training_call = True
         torch.fx.node.has_side_effect(work)
         works[name] = work
     return work
