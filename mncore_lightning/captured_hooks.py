@@ -256,6 +256,7 @@ class CapturedHook:
                 outputs.update(traced.outputs)
             return {**outputs, **self._traced_gradients}
 
+        device_step._mncore_replay = True  # a captured graph's replay: Context.compile traces it
         self._traced_gradients: dict[str, torch.Tensor] = {}
         options = dict(self._compile_options)
         codegen_dir = options.pop("codegen_dir", None)  # a function giving the folder

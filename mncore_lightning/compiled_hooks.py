@@ -586,6 +586,7 @@ def _compile_hook(
                 codegen_dir,
                 options=options,
                 cache_options=cache_options,
+                capture="trace",  # this path's interception sites need make_fx's real run
             )
     finally:
         carried.restore()

@@ -69,6 +69,10 @@ def user_frame_summary(
     each time was a large share of trace time)."""
     if frames is not None:
         return next((f for f in reversed(frames) if not _is_library(f.filename)), None)
+    if _replayed and _replayed[-1]:  # an op of a captured graph's replay: its node's line
+        found = _replayed_frame(_replayed[-1])
+        if found is not None:
+            return found
     frame = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
@@ -76,6 +80,27 @@ def user_frame_summary(
             return traceback.FrameSummary(code.co_filename, frame.f_lineno, code.co_name)
         frame = frame.f_back
     return None
+
+
+# The stack traces TorchDynamo recorded on the graph nodes being replayed (innermost last):
+# while a captured graph is traced into a device graph, the live stack is the replay's, and
+# the user's line of an op is the one Dynamo recorded for its node.
+_replayed: list[str | None] = []
+
+
+@contextlib.contextmanager
+def replaying(stack_trace: str | None):
+    """Ops run inside are named by `stack_trace`'s user frame (a captured node's)."""
+    _replayed.append(stack_trace)
+    try:
+        yield
+    finally:
+        _replayed.pop()
+
+
+@functools.lru_cache(maxsize=1024)
+def _replayed_frame(stack_trace: str) -> traceback.FrameSummary | None:
+    return user_frame_summary(frames_of(stack_trace))
 
 
 def user_frame(frames: list[traceback.FrameSummary] | None = None) -> str | None:

@@ -38,6 +38,20 @@ class Role(StrEnum):
     OPTIMIZER = "optimizer"
 
 
+CAPTURE_MODES = ("dynamo", "trace")
+CAPTURE_ENV = "MNCORE_DEVICE_CAPTURE"
+
+
+def _capture_mode(function: Any, capture: str | None) -> str:
+    """How `compile` turns `function` into a graph (see `Context.compile`'s `capture`)."""
+    if getattr(function, "_mncore_replay", False):
+        return "trace"  # already a captured graph's replay
+    mode = capture or os.environ.get(CAPTURE_ENV) or "trace"
+    if mode not in CAPTURE_MODES:
+        raise ValueError(f"compile(capture=...) must be one of {CAPTURE_MODES}, got {mode!r}")
+    return mode
+
+
 class Context(ABC):
     """Device memory plus the functions compiled against it.
 
@@ -285,6 +299,8 @@ class Context(ABC):
         export_kwargs: Mapping[str, Any] | None = None,
         training: bool | None = None,
         io_spec_constraints: Mapping[str, Any] | None = None,
+        capture: str | None = None,
+        max_retraces: int = 8,
     ) -> Any:
         """Trace `function` once with the sample `inputs` into one static graph and compile it.
 
@@ -296,6 +312,13 @@ class Context(ABC):
         eager's, for a faster step)}.
         The keywords are MLSDK's (see `CompileKeywords`); a backend warns once about any it
         cannot honour.
+
+        capture: how `function` becomes a graph. "dynamo": TorchDynamo captures it, every Python
+        value it reads is guarded (a changed one re-compiles, reported, at most `max_retraces`
+        times), and the backend compiles a replay of the captured graph
+        (mncore_device.capture.compiled_step). "trace": make_fx traces the function itself
+        (Python reads are frozen at their compile-time values). Default: $MNCORE_DEVICE_CAPTURE,
+        else "trace". A replay of a captured graph is always traced.
         """
         self._check_valid("compile")
         keywords = CompileKeywords(
@@ -308,7 +331,23 @@ class Context(ABC):
         )
         name = getattr(function, "__name__", "function")
         with trace_events.span("compile", "compile", function=name, codegen_dir=str(codegen_dir)):
-            return self._compile(function, inputs, codegen_dir, options, cache_options, keywords)
+            if _capture_mode(function, capture) == "trace":
+                return self._compile(
+                    function, inputs, codegen_dir, options, cache_options, keywords
+                )
+            from .capture.compiled_step import CapturedFunction
+
+            def compile_replay(replay: StepFunction, sample: Mapping, directory: Any) -> Any:
+                return self._compile(replay, sample, directory, options, cache_options, keywords)
+
+            return CapturedFunction(
+                function,
+                inputs,
+                compile_replay,
+                is_state=self.is_registered,
+                codegen_dir=codegen_dir,
+                max_retraces=max_retraces,
+            )
 
     @abstractmethod
     def _compile(

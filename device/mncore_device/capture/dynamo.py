@@ -25,7 +25,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import types
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from enum import StrEnum
 from traceback import format_list
@@ -319,10 +321,23 @@ class DynamoFrontend:
         self.graphs: list[CapturedGraph] = []
         self.retraces: list[str] = []
         self.breaks: list[GraphBreak] = []
+        frontend = weakref.ref(self)
+
+        def backend(graph_module: fx.GraphModule, examples: list[Any]) -> Callable[..., Any]:
+            return frontend()._backend(graph_module, examples)
+
+        def guard_failed(failure: Any) -> None:
+            if frontend() is not None:
+                frontend()._guard_failed(failure)
+
+        # Dynamo keeps every backend it is given for the whole process (cached_backends):
+        # this one (and the guard-failure hook, which the guards of every object they read
+        # keep) holds the frontend weakly, so the frontend and its device functions (their
+        # device memory, an MLSDK function's codegen directory) go when the caller drops it
         self._compiled = torch._dynamo.optimize(
-            self._backend,
+            backend,
             nopython=fullgraph,
-            guard_fail_fn=self._guard_failed,
+            guard_fail_fn=guard_failed,
             # past max_retraces, _backend raises; Dynamo's own limit (after which it would run
             # the step eagerly, on the host) is never reached
             recompile_limit=max_retraces + 2,
@@ -380,7 +395,7 @@ class DynamoFrontend:
                 )
             self._on_retrace(reason)
         self.graphs.append(captured)
-        return _GraphCall(captured, self._compile_graph, self._on_retrace)
+        return _GraphCall(captured, _weakly(self._compile_graph), _weakly(self._on_retrace))
 
     @contextlib.contextmanager
     def _recording_breaks(self) -> Iterator[None]:
@@ -408,6 +423,23 @@ class DynamoFrontend:
             InstructionTranslatorBase.log_graph_break = log
 
 
+def _weakly(function: Callable[..., Any]) -> Callable[..., Any]:
+    """A bound method, called through a weak reference to its object. Dynamo keeps what it
+    compiled (a _GraphCall) in a process-wide registry until the frame's code dies; through
+    a strong reference to the frontend's owner, that code (the owner's) would never die."""
+    if not isinstance(function, types.MethodType):
+        return function
+    method = weakref.WeakMethod(function)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        bound = method()
+        if bound is None:
+            raise RuntimeError("the compiled function was garbage-collected")
+        return bound(*args, **kwargs)
+
+    return call
+
+
 def _compile_id(reason: str | None) -> tuple[int, ...]:
     """The "frame/compile" id a guard failure's reason starts with ("0/3: x == 2")."""
     head = (reason or "").split(":", 1)[0]
@@ -429,6 +461,9 @@ def own_code(function: types.FunctionType) -> types.FunctionType:
     )
 
 
+_FRAME_NUMBERS = itertools.count()
+
+
 def _own_frame(function: Callable[..., Any]) -> Callable[..., Any]:
     """`function` called from a code object of its own: Dynamo keeps its compiled graphs, the
     count of re-compiles and what it learned about changing values per code object, so each
@@ -437,11 +472,15 @@ def _own_frame(function: Callable[..., Any]) -> Callable[..., Any]:
     def captured_step(*args: Any, **kwargs: Any) -> Any:
         return function(*args, **kwargs)
 
-    code = captured_step.__code__.replace()
+    # a name of its own too: Dynamo keeps what it learned of changing sizes and numbers
+    # (automatic dynamic) for the whole process by file, line and name of the code
+    name = f"captured_step_{next(_FRAME_NUMBERS)}"
+    code = captured_step.__code__.replace(co_name=name, co_qualname=name)
     assert code is not captured_step.__code__
-    return types.FunctionType(
-        code, captured_step.__globals__, "captured_step", None, captured_step.__closure__
-    )
+    # globals of its own too: Dynamo stores each compiled graph in the frame's globals
+    # (__compiled_fn_*), which must go with this frontend, not stay in this module's forever
+    own_globals = {"__builtins__": captured_step.__globals__["__builtins__"]}
+    return types.FunctionType(code, own_globals, name, None, captured_step.__closure__)
 
 
 def _break_reason(reason: str, exc: Any) -> str:

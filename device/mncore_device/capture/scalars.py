@@ -25,6 +25,8 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_map
 
+from .._source import replaying
+
 _BINARY: dict[Any, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     operator.add: torch.add,
     operator.sub: torch.sub,
@@ -134,7 +136,8 @@ class ScalarsAsTensors(fx.Interpreter):
     def run_node(self, node: fx.Node) -> Any:
         self.current_node = node
         try:
-            return super().run_node(node)
+            with replaying(node.meta.get("stack_trace")):  # errors name the user's line
+                return super().run_node(node)
         except Exception as error:
             # which node failed, when numbers were among its arguments: the caller may give
             # those numbers as Python numbers instead (an op that needs one, like dropout's p)
