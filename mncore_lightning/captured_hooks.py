@@ -26,9 +26,11 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from mncore_device import Context, StaticGraphError
 from mncore_device.capture import CapturedGraph, DynamoFrontend, traced_call
+from mncore_device.capture.autograd_graphs import DifferentiableGraph, StandIns
 from mncore_device.capture.dynamo import own_code
 
 from .compiled_hooks import _DerivedLog, _LogCall, _loss_of, backward_and_update
@@ -146,6 +148,13 @@ class CapturedHook:
             None  # the last batch's, to compare cheaply  # the last batch's (the strategy's)
         )
         self._update = traced_call(f"mncore_{hook_name}_update") if optimizer else None
+        # a training step with host code: each graph a forward and a backward device call,
+        # the update one more (see _split_update); the gradients gather in the stand-ins
+        self._stand_ins = StandIns()
+        self._updates: dict[frozenset[str], Any] = {}  # the update's device function, by grads
+        self._fused_ran = False  # whether this call's device graph ran the backward and update
+        self._device_calls = 0  # device calls this call made
+        self.device_calls_per_step: int | None = None  # measured at the first split step
         user_hook = getattr(module, hook_name)
         precision = strategy.precision_plugin
         update = self._update
@@ -174,12 +183,17 @@ class CapturedHook:
         self._logs.calls.clear()
         state = module.__dict__  # not nn.Module.__setattr__: this runs every step
         state["log"], state["log_dict"] = self._log, self._log_dict
+        self._fused_ran, self._device_calls = False, 0
         try:
             output = self.frontend(*args)
         finally:
             del state["log"], state["log_dict"]
         if self._update is not None:
-            _loss_of(output)  # a step without a loss (None, say) ran no update: refused
+            loss = _loss_of(output)  # a step without a loss (None, say) ran no update: refused
+            if not self._fused_ran:  # host code in the step: backward and update follow
+                self._split_update(loss)
+                output = _with_detached_loss(output, loss)
+                self._report_split()
         self._replay_logs(module, _leading_size(args[0]) if args else None)
         return output
 
@@ -221,7 +235,11 @@ class CapturedHook:
                     f"fullgraph=True: {self.hook_name} has host code ({breaks}). Where the "
                     f"first one is:\n{self.frontend.breaks[0].stack}"
                 )
-            raise UseTracer(f"{self.hook_name} has host code: {breaks}")
+            if self.strategy.precision_plugin.scaler is not None:
+                raise UseTracer(f"{self.hook_name} has host code under 16-mixed: {breaks}")
+            # each graph a forward and a backward device call; the marker does nothing
+            calls = {self._update: torch.Tensor.detach}
+            return DifferentiableGraph(captured, self._split_compile, self._stand_ins, calls)
         calls = {self._update: self._backward_and_update} if self._update is not None else {}
 
         def device_step(inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -230,26 +248,114 @@ class CapturedHook:
             return {**outputs, **self._traced_gradients}
 
         self._traced_gradients: dict[str, torch.Tensor] = {}
+        run = self._device_function(device_step, captured.sample(), gradients=True)
+        if self._update is None:
+            return run
+
+        def fused(inputs: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+            self._fused_ran = True
+            return run(inputs)
+
+        return fused
+
+    def _device_function(
+        self,
+        function: Callable[[Mapping], Mapping],
+        sample: Mapping[str, torch.Tensor],
+        gradients: bool = False,
+    ) -> Callable[[Mapping], Mapping]:
+        """`function` traced on `sample` and compiled by the context; its outputs on the host.
+        gradients: it returns the gradients Lightning's gradient hooks see (gradient_params)."""
         options = dict(self._compile_options)
         codegen_dir = options.pop("codegen_dir", None)  # a function giving the folder
         codegen_dir = codegen_dir() if codegen_dir is not None else None
         try:
             with torch.inference_mode(False):
-                compiled = self.context.compile(
-                    device_step, captured.sample(), codegen_dir, **options
-                )
+                compiled = self.context.compile(function, dict(sample), codegen_dir, **options)
         finally:  # tracing restores the host tensors it ran on, which bumps their versions
             self.strategy._host_versions.record()
         self.compiled.append(compiled)
         to_host = self.strategy._to_host
 
         def run(inputs: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+            self._device_calls += 1
             outputs = to_host(compiled(inputs))
-            if self.gradient_params:
+            if gradients and self.gradient_params:
                 self.gradients = {k: outputs[k] for k in self.gradient_params}
             return outputs
 
         return run
+
+    def _split_compile(
+        self, function: Callable[[Mapping], Mapping], sample: dict, label: str
+    ) -> Callable[[Mapping], Mapping]:
+        """A forward or backward device call of a step with host code (DifferentiableGraph)."""
+        return self._device_function(function, sample)
+
+    def _split_update(self, loss: torch.Tensor) -> None:
+        """After a step with host code: the backward on the host (through each graph's
+        backward device call, in reverse), then one device call that takes the gradients and
+        runs what a one-call step runs after its backward (backward_and_update: accumulation,
+        clipping, the update). The gradients are the stand-ins' (never the parameters')."""
+        accumulate = self._update_options.get("accumulate")
+        with torch.enable_grad():
+            if loss.requires_grad:
+                self.module.backward(loss if accumulate is None else loss / accumulate[0])
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        grads = {}
+        for index, param in enumerate(params):
+            grad = self._stand_ins.gradient(param)
+            if grad is not None:
+                grads[f"grad/{index}"] = grad
+        self._stand_ins.clear_gradients()
+        key = frozenset(grads)
+        update = self._updates.get(key)
+        if update is None:
+            update = self._updates[key] = self._device_function(
+                functools.partial(self._apply_gradients, params), grads, gradients=True
+            )
+        update(grads)
+
+    def _apply_gradients(
+        self, params: list[torch.Tensor], inputs: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """The update call, traced: the gradients given (added to the accumulation buffers
+        in a window), then backward_and_update without a loss."""
+        accumulate = self._update_options.get("accumulate")
+        for index, param in enumerate(params):
+            grad = inputs.get(f"grad/{index}")
+            if accumulate is not None and param in accumulate[1]:
+                buffer = accumulate[1][param]
+                if grad is not None:
+                    with torch.no_grad():
+                        buffer.add_(grad)
+                grad = buffer
+            param.grad = grad
+        self.gradient_params.clear()
+        try:
+            return backward_and_update(
+                self.module,
+                self.optimizer,
+                None,
+                self.strategy.precision_plugin.scaler,
+                gradient_params=self.gradient_params if self._return_gradients else None,
+                **self._update_options,
+            )
+        finally:
+            for param in params:
+                param.grad = None
+
+    def _report_split(self) -> None:
+        """Say once how a step with host code runs (its breaks, its device calls a step)."""
+        if self.device_calls_per_step is not None:
+            return
+        self.device_calls_per_step = self._device_calls
+        breaks = "; ".join(map(str, self.frontend.breaks))
+        rank_zero_info(
+            f"MN-Core: {self.hook_name} has host code ({breaks}); it runs as "
+            f"{self._device_calls} device calls per step: each graph's forward and backward, "
+            "and the update"
+        )
 
     def _backward_and_update(self, loss: torch.Tensor) -> torch.Tensor:
         """The marker's work while the device graph is traced: backward and update."""
@@ -269,6 +375,13 @@ class CapturedHook:
             **self._update_options,
         )
         return loss.detach()
+
+
+def _with_detached_loss(output: Any, loss: torch.Tensor) -> Any:
+    """The step's output with its loss detached: its backward ran already."""
+    if isinstance(output, Mapping):
+        return {**output, "loss": loss.detach()}
+    return loss.detach()
 
 
 def _guard_of(reason: str) -> str:
