@@ -30,6 +30,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from mncore_device import Context, StaticGraphError
 from mncore_device.capture import CapturedGraph, DynamoFrontend, traced_call
+from mncore_device.capture.appended_lists import AppendedLists, length_guard
 from mncore_device.capture.autograd_graphs import DifferentiableGraph, StandIns
 from mncore_device.capture.dynamo import own_code
 
@@ -82,10 +83,9 @@ _COUNTERS = (r".*\['args'\]\[[12]\]$", r".*\._trainer\..*", r".*\['args'\]\[0\].
 
 class UseTracer(Exception):  # noqa: N818 - a signal, not an error the user sees
     """This hook goes back to the make_fx tracer (compiled_hooks.py), which folds or refuses
-    what the Dynamo path cannot run yet: host code inside a training step (a graph break;
-    its backward would span device calls), or a guard that fails again and again (a list the
-    step appends to grows, and Dynamo guards on its length). Raised before anything of the
-    call has run."""
+    what the Dynamo path cannot run yet: host code inside a training step under 16-mixed (its
+    loss scale is device state), or a guard other than a list's length that fails again and
+    again. Raised before anything of the call has run."""
 
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
@@ -142,6 +142,7 @@ class CapturedHook:
         self.gradients: dict[str, torch.Tensor] = {}  # the last call's, by gradient_params key
         self.compiled: list[Any] = []  # the device functions, one per graph
         self._failed_guards: set[str] = set()
+        self._lists = AppendedLists(module)  # the lists the hook appends to, once they grow
         self._derived: dict[tuple[int, str, int | None], Any] = {}  # by log call: see _replay_logs
         self.batch_specs: dict[str, Any] | None = None
         self.batch_shapes: list[Any] | None = (
@@ -185,7 +186,8 @@ class CapturedHook:
         state["log"], state["log_dict"] = self._log, self._log_dict
         self._fused_ran, self._device_calls = False, 0
         try:
-            output = self.frontend(*args)
+            with self._lists.swapped():
+                output = self.frontend(*args)
         finally:
             del state["log"], state["log_dict"]
         if self._update is not None:
@@ -214,10 +216,11 @@ class CapturedHook:
             _LIGHTNING_LOG(module, name, value, *args, **kwargs)
 
     def _retraced(self, reason: str) -> None:
-        """Report a re-compile; the same guard failing a second time is a value that changes
-        at every call (a growing list's length): the hook goes to the tracer."""
+        """Report a re-compile. The same guard failing a second time is a value that changes
+        at every call: the length of a list the step appends to is taken out of Dynamo's
+        view from the next call on (AppendedLists); any other goes to the tracer."""
         guard = _guard_of(reason)
-        if guard in self._failed_guards:
+        if guard in self._failed_guards and not self._lists.adopt(guard):
             raise UseTracer(f"{self.hook_name} re-compiles at every call: {reason}")
         self._failed_guards.add(guard)
         self.strategy._retrace(self.hook_name, reason)
@@ -388,7 +391,9 @@ def _guard_of(reason: str) -> str:
     """A failed guard's expression, without Dynamo's compile id and the values compared."""
     first = reason.split("\n", 1)[0]
     first = first.split(": ", 1)[-1]  # "3/2: len(x) == 4  # ..." -> "len(x) == 4  # ..."
-    return first.split("#", 1)[0].split("==", 1)[0].split("<", 1)[0].split(">", 1)[0].strip()
+    guard = first.split("#", 1)[0].split("==", 1)[0].split("<", 1)[0].split(">", 1)[0].strip()
+    listed = length_guard(guard)  # `not x` (an empty list) is the same guard as `len(x)`
+    return f"len({listed})" if listed is not None else guard
 
 
 def _leading_size(batch: Any) -> int | None:
