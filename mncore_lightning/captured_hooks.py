@@ -13,6 +13,14 @@ marker runs the backward, clipping and the optimizer update (`backward_and_updat
 make_fx path does), which the device graph then holds. Evaluation hooks are forward-only and
 may have graph breaks: their host code runs between the device calls, as on cpu.
 
+A training step with host code (a graph break: `print`, a NumPy draw, a logger call) runs it
+between device calls too: each Dynamo graph is a forward and a backward device call wrapped
+as one autograd function (mncore_device.capture.autograd_graphs), the host's backward after
+the step runs the backward calls in reverse, and the update (accumulation, clipping, the
+optimizer) is one more device call built by the same `backward_and_update`
+(`_split_update`); the marker then does nothing. It is reported once, with the breaks' lines
+and the device calls per step; `fullgraph=True` refuses it at the line.
+
 `self.log` (and `log_dict`) are recorded while the hook runs (a per-hook recorder whose list
 Dynamo appends to after each call, with the graph's values) and replayed into Lightning after
 the call.
@@ -185,6 +193,14 @@ class CapturedHook:
         state = module.__dict__  # not nn.Module.__setattr__: this runs every step
         state["log"], state["log_dict"] = self._log, self._log_dict
         self._fused_ran, self._device_calls = False, 0
+        if self._update is not None and (self.frontend.breaks or not self.frontend.graphs):
+            # host code in the step (a logger's histogram of a weight, say) reads the
+            # parameters as they are on the device before this step's update, as on cpu;
+            # what it computes with them adds to their .grad (see _split_update)
+            self.strategy.synchronize()
+            for group in self.optimizer.param_groups:
+                for param in group["params"]:
+                    param.grad = None
         try:
             with self._lists.swapped():
                 output = self.frontend(*args)
@@ -307,9 +323,15 @@ class CapturedHook:
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         grads = {}
         for index, param in enumerate(params):
-            grad = self._stand_ins.gradient(param)
-            if grad is not None:
-                grads[f"grad/{index}"] = grad
+            # the device calls' gradient, plus the host's where host code (a module Dynamo
+            # runs eagerly) computed with the parameter itself
+            grad, host = self._stand_ins.gradient(param), param.grad
+            param.grad = None
+            if grad is not None or host is not None:
+                both = grad + host if grad is not None and host is not None else None
+                grads[f"grad/{index}"] = (
+                    both if both is not None else grad if host is None else host
+                )
         self._stand_ins.clear_gradients()
         key = frozenset(grads)
         update = self._updates.get(key)

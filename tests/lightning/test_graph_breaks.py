@@ -154,3 +154,35 @@ def test_fullgraph_with_a_break_in_training_step_names_the_users_line():
     with pytest.raises(StaticGraphError, match="fullgraph=True") as error:
         _fit("mncore", HostCodeInTraining, epochs=1, strategy=strategy)
     assert f"{__file__}:{line}" in str(error.value), str(error.value)
+
+
+@torch.compiler.disable
+def _record_norm(norms: list[float], weight: torch.Tensor) -> None:
+    """Host code, as a logger's add_histogram is (a graph break)."""
+    norms.append(float(weight.detach().norm()))
+
+
+class ReadsWeightsOnTheHost(LitClassifier):
+    """Host code that reads a weight, and dropout."""
+
+    def __init__(self) -> None:
+        super().__init__(dropout=0.3)
+        self.norms: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        _record_norm(self.norms, self.net[0].weight)
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+
+def test_host_code_reading_weights_and_dropout_in_training_step_as_on_cpu():
+    """The host code sees each step's weights (before its update), as on cpu; dropout in a
+    forward device call draws what cpu draws, and its backward uses the same mask."""
+    cpu = _fit("cpu", ReadsWeightsOnTheHost, epochs=2)
+    mn = _fit("mncore", ReadsWeightsOnTheHost, epochs=2, callbacks=[TrainHook()])
+    _assert_same(cpu, mn)
+    assert len(mn.model.norms) == len(cpu.model.norms) == 4
+    assert mn.model.norms == pytest.approx(cpu.model.norms, abs=ATOL)
+    assert _train_hook(mn).frontend.breaks
