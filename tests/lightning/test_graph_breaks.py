@@ -186,3 +186,22 @@ def test_host_code_reading_weights_and_dropout_in_training_step_as_on_cpu():
     assert len(mn.model.norms) == len(cpu.model.norms) == 4
     assert mn.model.norms == pytest.approx(cpu.model.norms, abs=ATOL)
     assert _train_hook(mn).frontend.breaks
+
+
+class DataDependentBranch(LitClassifier):
+    def training_step(self, batch, batch_idx):
+        loss = F.cross_entropy(self(batch[0]), batch[1])
+        if loss > 1.05:  # a branch on a tensor's value: a graph break, decided on the host
+            loss = loss * 0.5
+        self.log("train_loss", loss)
+        return loss
+
+
+def test_data_dependent_branch_in_training_step_as_on_cpu():
+    """The make_fx tracer refuses this branch (test_errors.py); Dynamo splits the step at
+    it and the host decides it at every step, as on cpu."""
+    cpu = _fit("cpu", DataDependentBranch, epochs=3)
+    mn = _fit("mncore", DataDependentBranch, epochs=3, callbacks=[TrainHook()])
+    _assert_same(cpu, mn)
+    line = _line_of(DataDependentBranch.training_step, "if loss > 1.05")
+    assert any(f"{__file__}:{line}" in b.where for b in _train_hook(mn).frontend.breaks)

@@ -28,7 +28,7 @@ import torch
 from torch import fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from .dynamo import CapturedGraph, InputKind
+from .dynamo import MUTATED_PREFIX, CapturedGraph, InputKind
 from .scalars import ScalarsAsTensors
 
 # compile_function(function, sample, label) -> a device function (inputs -> outputs dict)
@@ -188,14 +188,28 @@ class _LazyDeviceCall:
         return inputs
 
     def _device_function(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        args = [inputs[name] for name in self._names] + list(self._state)
-        outputs = self._gm(*args)
+        given = [inputs[name] for name in self._names]
+        versions = [t._version for t in given]
+        outputs = self._gm(*given, *self._state)
         outputs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
         self._outputs = [isinstance(o, torch.Tensor) for o in outputs]
-        return {str(i): o for i, o in enumerate(outputs) if isinstance(o, torch.Tensor)}
+        result = {str(i): o for i, o in enumerate(outputs) if isinstance(o, torch.Tensor)}
+        # an input the graph changed in place (AOTAutograd keeps the mutation of an input
+        # that needs no gradient in the graph: a tensor attribute's `+=`): its new value, which
+        # the call writes into the caller's tensor, as CapturedGraph.run does
+        for name, tensor, version in zip(self._names, given, versions, strict=True):
+            if tensor._version != version:
+                result[MUTATED_PREFIX + name] = tensor
+        return result
 
     def __call__(self, args: list[Any]) -> list[torch.Tensor | None]:
         inputs = self.compile(args)
         args.clear()
         outputs = self._compiled(inputs)
+        if len(outputs) > sum(self._outputs):
+            with torch.no_grad():
+                for name, tensor in inputs.items():
+                    new = outputs.get(MUTATED_PREFIX + name)
+                    if new is not None:
+                        tensor.copy_(new)  # a view of the caller's tensor (detached)
         return [outputs[str(i)] if tensor else None for i, tensor in enumerate(self._outputs)]
