@@ -594,9 +594,10 @@ class _restored:
         with torch.no_grad():
             restore = zip(self.tensors, self.values, self.grads, self.versions, strict=True)
             for tensor, value, grad, version in restore:
-                # only what the trace wrote: a tensor the host's autograd saved (host code
-                # of a step with graph breaks) keeps its version
-                if tensor._version != version:
+                # only what the trace wrote (in place, or through .data, which no version
+                # counts): a tensor the host's autograd saved (host code of a step with
+                # graph breaks) keeps its version
+                if tensor._version != version or not torch.equal(tensor, value):
                     tensor.copy_(value)
                 tensor.grad = grad
         self.guard.restore()
