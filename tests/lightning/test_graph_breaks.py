@@ -133,7 +133,11 @@ def test_batchnorm_and_a_break_in_training_step_as_on_cpu():
     mn = _fit("mncore", BatchNormWithBreak, epochs=3, val_batches=2, callbacks=[TrainHook()])
     _assert_same(cpu, mn)
     assert int(mn.model.net[1].num_batches_tracked) == 6
-    assert _train_hook(mn).frontend.breaks
+    hook = _train_hook(mn)
+    assert hook.frontend.breaks
+    # two graphs, each a forward and a backward call, and the update (the graph of the
+    # update marker's call after the break computes nothing: it runs on the host)
+    assert hook.device_calls_per_step == 5
 
 
 def test_accumulation_and_clipping_with_a_break_as_on_cpu():

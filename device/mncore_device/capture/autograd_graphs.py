@@ -134,6 +134,8 @@ class DifferentiableGraph:
                 f"AOTAutograd's forward graph takes {len(placeholders)} inputs, not the "
                 f"{given + len(self._state)} the captured graph was given"
             )
+        if _only_aliases(gm, placeholders[given:]):
+            return _HostCall(gm)
         call = _LazyDeviceCall(self._compile, gm, given, self._state, "forward")
         # compiled here, not at its first call: that runs inside AOTAutograd's autograd
         # function, where TorchInductor (presets O1 and up) cannot compile
@@ -213,3 +215,30 @@ class _LazyDeviceCall:
                     if new is not None:
                         tensor.copy_(new)  # a view of the caller's tensor (detached)
         return [outputs[str(i)] if tensor else None for i, tensor in enumerate(self._outputs)]
+
+
+_ALIASES = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
+
+
+def _only_aliases(gm: fx.GraphModule, state: Sequence[fx.Node]) -> bool:
+    """A graph that computes nothing (it hands its inputs on, detached: the graph Dynamo
+    makes of the update marker's call after a break) and reads no state."""
+    calls = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    return all(n.op == "call_function" and n.target in _ALIASES for n in calls) and not any(
+        node.users for node in state
+    )
+
+
+class _HostCall:
+    """A graph that computes nothing, run on the host: no device call for it."""
+
+    _boxed_call = True
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self._gm = gm
+
+    def __call__(self, args: list[Any]) -> list[Any]:
+        values = list(args)
+        args.clear()
+        outputs = self._gm(*values)
+        return list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
