@@ -13,6 +13,14 @@ marker runs the backward, clipping and the optimizer update (`backward_and_updat
 make_fx path does), which the device graph then holds. Evaluation hooks are forward-only and
 may have graph breaks: their host code runs between the device calls, as on cpu.
 
+A training step with host code (a graph break: `print`, a NumPy draw, a logger call) runs it
+between device calls too: each Dynamo graph is a forward and a backward device call wrapped
+as one autograd function (mncore_device.capture.autograd_graphs), the host's backward after
+the step runs the backward calls in reverse, and the update (accumulation, clipping, the
+optimizer) is one more device call built by the same `backward_and_update`
+(`_split_update`); the marker then does nothing. It is reported once, with the breaks' lines
+and the device calls per step; `fullgraph=True` refuses it at the line.
+
 `self.log` (and `log_dict`) are recorded while the hook runs (a per-hook recorder whose list
 Dynamo appends to after each call, with the graph's values) and replayed into Lightning after
 the call.
@@ -27,9 +35,12 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from mncore_device import Context, StaticGraphError
 from mncore_device.capture import CapturedGraph, DynamoFrontend, traced_call
+from mncore_device.capture.appended_lists import AppendedLists, length_guard
+from mncore_device.capture.autograd_graphs import DifferentiableGraph, StandIns
 from mncore_device.capture.dynamo import own_code
 
 from .compiled_hooks import _DerivedLog, _LogCall, _loss_of, backward_and_update
@@ -87,10 +98,9 @@ _COUNTERS = (
 
 class UseTracer(Exception):  # noqa: N818 - a signal, not an error the user sees
     """This hook goes back to the make_fx tracer (compiled_hooks.py), which folds or refuses
-    what the Dynamo path cannot run yet: host code inside a training step (a graph break;
-    its backward would span device calls), or a guard that fails again and again (a list the
-    step appends to grows, and Dynamo guards on its length). Raised before anything of the
-    call has run."""
+    what the Dynamo path cannot run yet: host code inside a training step under 16-mixed (its
+    loss scale is device state), or a guard other than a list's length that fails again and
+    again. Raised before anything of the call has run."""
 
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
@@ -152,12 +162,20 @@ class CapturedHook:
         self.compiled: list[Any] = []  # the device functions, one per graph
         self._failed_guards: dict[str, int] = {}  # guard -> the call at which it last failed
         self._calls = 0
+        self._lists = AppendedLists(module)  # the lists the hook appends to, once they grow
         self._derived: dict[tuple[int, str, int | None], Any] = {}  # by log call: see _replay_logs
         self.batch_specs: dict[str, Any] | None = None
         self.batch_shapes: list[Any] | None = (
             None  # the last batch's, to compare cheaply  # the last batch's (the strategy's)
         )
         self._update = traced_call(f"mncore_{hook_name}_update") if optimizer else None
+        # a training step with host code: each graph a forward and a backward device call,
+        # the update one more (see _split_update); the gradients gather in the stand-ins
+        self._stand_ins = StandIns()
+        self._updates: dict[frozenset[str], Any] = {}  # the update's device function, by grads
+        self._fused_ran = False  # whether this call's device graph ran the backward and update
+        self._device_calls = 0  # device calls this call made
+        self.device_calls_per_step: int | None = None  # measured at the first split step
         user_hook = getattr(module, hook_name)
         precision = strategy.precision_plugin
         update = self._update
@@ -183,10 +201,23 @@ class CapturedHook:
 
     def __call__(self, *args: Any) -> Any:
         manual = self._manual
+        self._fused_ran, self._device_calls = False, 0
+        if self._update is not None and (self.frontend.breaks or not self.frontend.graphs):
+            # host code in the step (a logger's histogram of a weight, say) reads the
+            # parameters as they are on the device before this step's update, as on cpu;
+            # what it computes with them adds to their .grad (see _split_update)
+            self.strategy.synchronize()
+            for group in self.optimizer.param_groups:
+                for param in group["params"]:
+                    param.grad = None
         with manual.installed() if manual is not None else contextlib.nullcontext():
             output = self._run_step(args)
         if self._update is not None:
-            _loss_of(output)  # a step without a loss (None, say) ran no update: refused
+            loss = _loss_of(output)  # a step without a loss (None, say) ran no update: refused
+            if not self._fused_ran:  # host code in the step: backward and update follow
+                self._split_update(loss)
+                output = _with_detached_loss(output, loss)
+                self._report_split()
         if manual is not None:
             manual.replay()  # Lightning's bookkeeping of each opt.step(), scheduler steps
         self._replay_logs(self.module, _leading_size(args[0]) if args else None)
@@ -199,7 +230,8 @@ class CapturedHook:
         state = self.module.__dict__  # not nn.Module.__setattr__: this runs every step
         state["log"], state["log_dict"] = self._log, self._log_dict
         try:
-            return self.frontend(*args)
+            with self._lists.swapped():
+                return self.frontend(*args)
         finally:
             del state["log"], state["log_dict"]
 
@@ -207,7 +239,8 @@ class CapturedHook:
         """Each recorded `self.log`, into Lightning. A scalar tensor logged by the same call
         as at the last step goes straight to its result-collection entry (`_DerivedLog`:
         ~0.1 ms a value instead of ~0.8 ms through `LightningModule.log`'s checks)."""
-        direct = getattr(type(module), "log", None) is _LIGHTNING_LOG
+        user_log = getattr(type(module), "log", _LIGHTNING_LOG)  # the module's override, if any
+        direct = user_log is _LIGHTNING_LOG
         for index, (name, value, args, kwargs) in enumerate(self._logs.calls):
             if direct and isinstance(value, torch.Tensor) and value.numel() == 1:
                 key = (index, name, size)  # Lightning weighs by the batch's size
@@ -217,15 +250,17 @@ class CapturedHook:
                     log = functools.partial(_LIGHTNING_LOG, module)
                     self._derived[key] = _DerivedLog.record(module, log, call, value)
                 continue
-            module.log(name, value, *args, **kwargs)  # a module's own `log` sees every call
+            user_log(module, name, value, *args, **kwargs)
 
     def _retraced(self, reason: str) -> None:
-        """Report a re-compile; the same guard failing again at the next call is a value that
-        changes at every call (a growing list's length): the hook goes to the tracer. One that
-        fails again later (a value a hook changes once an epoch) is re-compiled for, up to
-        max_retraces."""
+        """Report a re-compile. The same guard failing again is a value that changes at every
+        call: the length of a list the step appends to is taken out of Dynamo's view from the
+        next call on (AppendedLists); any other guard failing again at the next call goes to
+        the tracer. One that fails again later (a value a hook changes once an epoch) is
+        re-compiled for, up to max_retraces."""
         guard = _guard_of(reason)
-        if self._failed_guards.get(guard) == self._calls - 1:
+        adopted = guard in self._failed_guards and self._lists.adopt(guard)
+        if not adopted and self._failed_guards.get(guard) == self._calls - 1:
             raise UseTracer(f"{self.hook_name} re-compiles at every call: {reason}")
         self._failed_guards[guard] = self._calls
         self.strategy._retrace(self.hook_name, reason)
@@ -236,6 +271,11 @@ class CapturedHook:
 
     def _compile_graph(self, captured: CapturedGraph) -> Callable[[Mapping], Mapping]:
         """Trace one captured graph (with the update, at the marker) into a device function."""
+        if self._update is not None and self.frontend.breaks:
+            self._refuse_host_code(splittable=True)
+            # each graph a forward and a backward device call; the marker does nothing
+            calls = {self._update: torch.Tensor.detach}
+            return DifferentiableGraph(captured, self._split_compile, self._stand_ins, calls)
         self._refuse_host_code()
         calls = {self._update: self._backward_and_update} if self._update is not None else {}
         manual = self._manual
@@ -256,34 +296,61 @@ class CapturedHook:
                 outputs.update(traced.outputs)
             return {**outputs, **self._traced_gradients}
 
-        device_step._mncore_replay = True  # a captured graph's replay: Context.compile traces it
         self._traced_gradients: dict[str, torch.Tensor] = {}
+        run = self._device_function(device_step, captured.sample(), gradients=True)
+        if manual is not None:
+
+            def manual_run(inputs: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+                outputs = run(inputs)
+                manual.received(traced_steps[0], outputs)  # its host calls, with their values
+                return outputs
+
+            return manual_run
+        if self._update is None:
+            return run
+
+        def fused(inputs: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+            self._fused_ran = True
+            return run(inputs)
+
+        return fused
+
+    def _device_function(
+        self,
+        function: Callable[[Mapping], Mapping],
+        sample: Mapping[str, torch.Tensor],
+        gradients: bool = False,
+    ) -> Callable[[Mapping], Mapping]:
+        """`function` traced on `sample` and compiled by the context; its outputs on the host.
+        gradients: it returns the gradients Lightning's gradient hooks see (gradient_params)."""
         options = dict(self._compile_options)
         codegen_dir = options.pop("codegen_dir", None)  # a function giving the folder
         codegen_dir = codegen_dir() if codegen_dir is not None else None
+        # a captured graph's replay, or this package's own code around it (a forward or
+        # backward of a split step, the update): Context.compile traces it as it is
+        function._mncore_replay = True
         try:
             with torch.inference_mode(False):
-                compiled = self.context.compile(
-                    device_step, captured.sample(), codegen_dir, **options
-                )
+                compiled = self.context.compile(function, dict(sample), codegen_dir, **options)
         finally:  # tracing restores the host tensors it ran on, which bumps their versions
             self.strategy._host_versions.record()
         self.compiled.append(compiled)
         to_host = self.strategy._to_host
 
         def run(inputs: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+            self._device_calls += 1
             outputs = to_host(compiled(inputs))
-            if self.gradient_params:
+            if gradients and self.gradient_params:
                 self.gradients = {k: outputs[k] for k in self.gradient_params}
-            if traced_steps:
-                manual.received(traced_steps[0], outputs)
             return outputs
 
         return run
 
-    def _refuse_host_code(self) -> None:
-        """A training step with a graph break would span device calls around its backward:
-        an error with fullgraph=True, else the make_fx tracer (UseTracer)."""
+    def _refuse_host_code(self, splittable: bool = False) -> None:
+        """A training step with a graph break spans device calls around its backward: an
+        error with fullgraph=True; splittable (an automatic step, see _split_update) it runs
+        as several device calls, except under 16-mixed (the loss scale is device state);
+        otherwise (a manual step, a steps_per_call group) the make_fx tracer (UseTracer)."""
         if (self._update is not None or self._manual is not None) and self.frontend.breaks:
             breaks = "; ".join(map(str, self.frontend.breaks))
             if self.frontend.fullgraph:
@@ -291,7 +358,87 @@ class CapturedHook:
                     f"fullgraph=True: {self.hook_name} has host code ({breaks}). Where the "
                     f"first one is:\n{self.frontend.breaks[0].stack}"
                 )
-            raise UseTracer(f"{self.hook_name} has host code: {breaks}")
+            if splittable and self.strategy.precision_plugin.scaler is not None:
+                raise UseTracer(f"{self.hook_name} has host code under 16-mixed: {breaks}")
+            if not splittable:
+                raise UseTracer(f"{self.hook_name} has host code: {breaks}")
+
+    def _split_compile(
+        self, function: Callable[[Mapping], Mapping], sample: dict, label: str
+    ) -> Callable[[Mapping], Mapping]:
+        """A forward or backward device call of a step with host code (DifferentiableGraph)."""
+        return self._device_function(function, sample)
+
+    def _split_update(self, loss: torch.Tensor) -> None:
+        """After a step with host code: the backward on the host (through each graph's
+        backward device call, in reverse), then one device call that takes the gradients and
+        runs what a one-call step runs after its backward (backward_and_update: accumulation,
+        clipping, the update). The gradients are the stand-ins' (never the parameters')."""
+        accumulate = self._update_options.get("accumulate")
+        with torch.enable_grad():
+            if loss.requires_grad:
+                self.module.backward(loss if accumulate is None else loss / accumulate[0])
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        grads = {}
+        for index, param in enumerate(params):
+            # the device calls' gradient, plus the host's where host code (a module Dynamo
+            # runs eagerly) computed with the parameter itself
+            grad, host = self._stand_ins.gradient(param), param.grad
+            param.grad = None
+            if grad is not None or host is not None:
+                both = grad + host if grad is not None and host is not None else None
+                grads[f"grad/{index}"] = (
+                    both if both is not None else grad if host is None else host
+                )
+        self._stand_ins.clear_gradients()
+        key = frozenset(grads)
+        update = self._updates.get(key)
+        if update is None:
+            update = self._updates[key] = self._device_function(
+                functools.partial(self._apply_gradients, params), grads, gradients=True
+            )
+        update(grads)
+
+    def _apply_gradients(
+        self, params: list[torch.Tensor], inputs: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """The update call, traced: the gradients given (added to the accumulation buffers
+        in a window), then backward_and_update without a loss."""
+        accumulate = self._update_options.get("accumulate")
+        for index, param in enumerate(params):
+            grad = inputs.get(f"grad/{index}")
+            if accumulate is not None and param in accumulate[1]:
+                buffer = accumulate[1][param]
+                if grad is not None:
+                    with torch.no_grad():
+                        buffer.add_(grad)
+                grad = buffer
+            param.grad = grad
+        self.gradient_params.clear()
+        try:
+            return backward_and_update(
+                self.module,
+                self.optimizer,
+                None,
+                self.strategy.precision_plugin.scaler,
+                gradient_params=self.gradient_params if self._return_gradients else None,
+                **self._update_options,
+            )
+        finally:
+            for param in params:
+                param.grad = None
+
+    def _report_split(self) -> None:
+        """Say once how a step with host code runs (its breaks, its device calls a step)."""
+        if self.device_calls_per_step is not None:
+            return
+        self.device_calls_per_step = self._device_calls
+        breaks = "; ".join(map(str, self.frontend.breaks))
+        rank_zero_info(
+            f"MN-Core: {self.hook_name} has host code ({breaks}); it runs as "
+            f"{self._device_calls} device calls per step: each graph's forward and backward, "
+            "and the update"
+        )
 
     def _backward_and_update(self, loss: torch.Tensor) -> torch.Tensor:
         """The marker's work while the device graph is traced: backward and update."""
@@ -313,11 +460,20 @@ class CapturedHook:
         return loss.detach()
 
 
+def _with_detached_loss(output: Any, loss: torch.Tensor) -> Any:
+    """The step's output with its loss detached: its backward ran already."""
+    if isinstance(output, Mapping):
+        return {**output, "loss": loss.detach()}
+    return loss.detach()
+
+
 def _guard_of(reason: str) -> str:
     """A failed guard's expression, without Dynamo's compile id and the values compared."""
     first = reason.split("\n", 1)[0]
     first = first.split(": ", 1)[-1]  # "3/2: len(x) == 4  # ..." -> "len(x) == 4  # ..."
-    return first.split("#", 1)[0].split("==", 1)[0].split("<", 1)[0].split(">", 1)[0].strip()
+    guard = first.split("#", 1)[0].split("==", 1)[0].split("<", 1)[0].split(">", 1)[0].strip()
+    listed = length_guard(guard)  # `not x` (an empty list) is the same guard as `len(x)`
+    return f"len({listed})" if listed is not None else guard
 
 
 def _leading_size(batch: Any) -> int | None:

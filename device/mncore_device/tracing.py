@@ -586,13 +586,19 @@ class _restored:
         with torch.no_grad():
             self.values = [t.detach().clone() for t in self.tensors]
         self.grads = [t.grad for t in self.tensors]
+        self.versions = [t._version for t in self.tensors]
         self.state_keys = [_state_keys(o) for o in self.optimizers]
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         with torch.no_grad():
-            for tensor, value, grad in zip(self.tensors, self.values, self.grads, strict=True):
-                tensor.copy_(value)
+            restore = zip(self.tensors, self.values, self.grads, self.versions, strict=True)
+            for tensor, value, grad, version in restore:
+                # only what the trace wrote (in place, or through .data, which no version
+                # counts): a tensor the host's autograd saved (host code of a step with
+                # graph breaks) keeps its version
+                if tensor._version != version or not torch.equal(tensor, value):
+                    tensor.copy_(value)
                 tensor.grad = grad
         self.guard.restore()
         lazy = [

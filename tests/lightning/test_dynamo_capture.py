@@ -6,9 +6,10 @@ epochs (a tuple, a NumPy scalar, None -> a number, an enum member, a class attri
 learning rate, a module-level dict, a closure cell, the step counters), and checks that
 every per-step loss, every value Lightning hands to a logger, the final callback metrics and
 the final weights agree within ATOL = 1e-5. Evaluation hooks with host code (a NumPy draw,
-print, a TensorBoard call) run it between their device calls, as on cpu; what cannot be
-captured (host code in training_step, fullgraph=True with a graph break, a value that changes
-at every step past max_retraces) fails with an error naming the user's line or the guard.
+print, a TensorBoard call) run it between their device calls, as on cpu (training steps too:
+test_graph_breaks.py); what cannot be captured (fullgraph=True with a graph break, a value
+that changes at every step past max_retraces) fails with an error naming the user's line or
+the guard.
 """
 
 from __future__ import annotations
@@ -762,17 +763,20 @@ def test_fullgraph_with_a_graph_break_in_validation_names_the_users_line():
 
 
 def test_a_graph_break_in_training_step_names_the_users_line(caplog):
-    """A training step is one device call: host code in it hands the step to the make_fx
-    tracer (said once, with the line); fullgraph=True makes it an error at the line."""
+    """Host code in a training step runs between its device calls, as on cpu (said once,
+    with the line and the device calls per step; test_graph_breaks.py has the rest);
+    fullgraph=True makes it an error at the line."""
     line = _line_of(PrintsInTraining.training_step, "print(")
     strategy = MNCoreStrategy(device="pfvm:cpu", preset="O0", fullgraph=True)
     with pytest.raises(StaticGraphError, match="fullgraph=True") as error:
         _fit("mncore", PrintsInTraining, epochs=1, strategy=strategy)
     assert f"{__file__}:{line}" in str(error.value), str(error.value)
-    with caplog.at_level("INFO"):
-        _fit("mncore", PrintsInTraining, epochs=1)
-    said = [r.getMessage() for r in caplog.records if "traced with make_fx" in r.getMessage()]
+    with caplog.at_level("INFO", logger="lightning.pytorch"):
+        _both(PrintsInTraining, epochs=1)
+    messages = [r.getMessage() for r in caplog.records]
+    said = [m for m in messages if "device calls per step" in m]
     assert len(said) == 1 and f"{__file__}:{line}" in said[0], said
+    assert not any("traced with make_fx" in m for m in messages), messages
 
 
 class TagChangesEveryStep(LitClassifier):

@@ -1,0 +1,213 @@
+"""Host code inside training_step (graph breaks) runs between device calls, as on cpu.
+
+A training step with `print`, a NumPy draw or a logger call in the middle of its forward is
+several TorchDynamo graphs. Each runs as a forward device call (keeping what its backward
+needs) and a backward device call, wrapped as one autograd function, so the host's backward
+after the step runs through them in reverse; the update is one more device call
+(mncore_device.capture.autograd_graphs, captured_hooks.CapturedHook._split_update). Each test
+fits a tiny model with accelerator="cpu" and "mncore" (preset O0, same seed, same batches)
+and compares every loss, every logged value, the final metrics and the weights and buffers
+within ATOL = 1e-5, and checks that the step did not go back to the make_fx tracer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from mncore_device import StaticGraphError
+from mncore_lightning import MNCoreStrategy
+from tests.lightning.lightning_testing import ATOL, LitClassifier
+from tests.lightning.test_dynamo_capture import Run, _assert_same, _counting, _fit, _line_of
+
+
+class TrainHook(Callback):
+    """At the end of training (before the strategy's teardown forgets them): the captured
+    training step, and whether it went back to the make_fx tracer."""
+
+    def __init__(self) -> None:
+        self.hook: Any = None
+        self.traced = True
+
+    def on_train_end(self, trainer, module) -> None:
+        strategy = trainer.strategy
+        self.traced = "train" in getattr(strategy, "_traced", {"train"})
+        captured = getattr(strategy, "_captured", {})
+        hooks = [hook for key, hook in captured.items() if key[0] == "train"]
+        self.hook = hooks[-1] if hooks else None
+
+
+def _train_hook(run: Run) -> Any:
+    """The captured training step of an mncore run, which never went to the tracer."""
+    [keeper] = [c for c in run.trainer.callbacks if isinstance(c, TrainHook)]
+    assert not keeper.traced  # the step never went to the make_fx tracer
+    assert keeper.hook is not None
+    return keeper.hook
+
+
+class HostCodeInTraining(LitClassifier):
+    """print, a NumPy draw (added as a tensor) and a TensorBoard call between two layers."""
+
+    def __init__(self, net: str = "mlp") -> None:
+        super().__init__(net=net)
+        self.rng = np.random.default_rng(0)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = self.net[:2](x)
+        print(f"training batch {batch_idx}")
+        noise = self.rng.normal(scale=0.1, size=tuple(h.shape)).astype(np.float32)
+        h = h + torch.from_numpy(noise)
+        self.logger.experiment.add_scalar("train/h_mean", h.mean(), self.global_step)
+        loss = F.cross_entropy(self.net[2:](h), y)
+        self.log("train_loss", loss)
+        return loss
+
+
+def _fit_both(tmp_path, make_model, **kwargs) -> tuple[Run, Run, list, list]:
+    runs, calls = [], {}
+    for accelerator in ("cpu", "mncore"):
+        tensorboard = TensorBoardLogger(tmp_path / accelerator, name="tb")
+        calls[accelerator] = []
+        _counting(tensorboard.experiment, calls[accelerator])
+        runs.append(
+            _fit(accelerator, make_model, loggers=[tensorboard], callbacks=[TrainHook()], **kwargs)
+        )
+    _assert_same(*runs)
+    return runs[0], runs[1], calls["cpu"], calls["mncore"]
+
+
+def test_print_numpy_draw_and_tensorboard_in_training_step_as_on_cpu(tmp_path, caplog, capsys):
+    with caplog.at_level("INFO", logger="lightning.pytorch"):
+        cpu, mn, cpu_calls, mn_calls = _fit_both(tmp_path, HostCodeInTraining, epochs=3)
+    # the host code ran once a step, as on cpu: same prints, draws and writer calls
+    printed = capsys.readouterr().out
+    assert printed.count("training batch 0") == 2 * 3  # both runs, 3 epochs
+    assert mn.model.rng.bit_generator.state == cpu.model.rng.bit_generator.state
+    ours = [(t, v) for _, t, v, _ in mn_calls if t == "train/h_mean"]
+    theirs = [(t, v) for _, t, v, _ in cpu_calls if t == "train/h_mean"]
+    assert len(ours) == len(theirs) == 6
+    for (_, a), (_, b) in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+    # the breaks are reported once, with the user's lines and the device calls a step
+    hook = _train_hook(mn)
+    lines = [_line_of(HostCodeInTraining.training_step, text) for text in ("print(", "rng.normal")]
+    where = [b.where for b in hook.frontend.breaks]
+    for line in lines:
+        assert any(f"{__file__}:{line}" in w for w in where), where
+    said = [r.getMessage() for r in caplog.records if "device calls per step" in r.getMessage()]
+    assert len(said) == 1, said
+    assert f"{__file__}:{lines[0]}" in said[0]
+    assert f"{hook.device_calls_per_step} device calls per step" in said[0]
+    # each graph a forward and at most one backward call, and the update
+    graphs = hook.frontend.device_calls
+    assert graphs + 1 < hook.device_calls_per_step <= 2 * graphs + 1
+    assert not any("traced with make_fx" in r.getMessage() for r in caplog.records)
+
+
+class BatchNormWithBreak(LitClassifier):
+    """BatchNorm's running statistics are device state the forward calls write."""
+
+    def __init__(self) -> None:
+        super().__init__(net="bn")
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = self.net[:2](x)  # Linear, BatchNorm1d
+        print("batch", batch_idx, "mean", round(float(h.detach().mean()), 3))
+        loss = F.cross_entropy(self.net[2:](h), y)
+        self.log("train_loss", loss)
+        return loss
+
+
+def test_batchnorm_and_a_break_in_training_step_as_on_cpu():
+    """Weights, running statistics and num_batches_tracked as on cpu; validation (eval
+    mode: the running statistics) too."""
+    cpu = _fit("cpu", BatchNormWithBreak, epochs=3, val_batches=2)
+    mn = _fit("mncore", BatchNormWithBreak, epochs=3, val_batches=2, callbacks=[TrainHook()])
+    _assert_same(cpu, mn)
+    assert int(mn.model.net[1].num_batches_tracked) == 6
+    hook = _train_hook(mn)
+    assert hook.frontend.breaks
+    # two graphs, each a forward and a backward call, and the update (the graph of the
+    # update marker's call after the break computes nothing: it runs on the host)
+    assert hook.device_calls_per_step == 5
+
+
+def test_accumulation_and_clipping_with_a_break_as_on_cpu():
+    """Gradients of two micro-batches gather on the device; the window's update clips."""
+    overrides = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}
+    cpu = _fit("cpu", BatchNormWithBreak, epochs=2, batches=4, **overrides)
+    mn = _fit(
+        "mncore", BatchNormWithBreak, epochs=2, batches=4, callbacks=[TrainHook()], **overrides
+    )
+    _assert_same(cpu, mn)
+    assert _train_hook(mn).frontend.breaks
+    assert mn.trainer.global_step == cpu.trainer.global_step == 4
+
+
+def test_fullgraph_with_a_break_in_training_step_names_the_users_line():
+    line = _line_of(HostCodeInTraining.training_step, "print(")
+    strategy = MNCoreStrategy(device="pfvm:cpu", preset="O0", fullgraph=True)
+    with pytest.raises(StaticGraphError, match="fullgraph=True") as error:
+        _fit("mncore", HostCodeInTraining, epochs=1, strategy=strategy)
+    assert f"{__file__}:{line}" in str(error.value), str(error.value)
+
+
+@torch.compiler.disable
+def _record_norm(norms: list[float], weight: torch.Tensor) -> None:
+    """Host code, as a logger's add_histogram is (a graph break)."""
+    norms.append(float(weight.detach().norm()))
+
+
+class ReadsWeightsOnTheHost(LitClassifier):
+    """Host code that reads a weight, and dropout."""
+
+    def __init__(self) -> None:
+        super().__init__(dropout=0.3)
+        self.norms: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        _record_norm(self.norms, self.net[0].weight)
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+
+def test_host_code_reading_weights_and_dropout_in_training_step_as_on_cpu():
+    """The host code sees each step's weights (before its update), as on cpu; dropout in a
+    forward device call draws what cpu draws, and its backward uses the same mask."""
+    cpu = _fit("cpu", ReadsWeightsOnTheHost, epochs=2)
+    mn = _fit("mncore", ReadsWeightsOnTheHost, epochs=2, callbacks=[TrainHook()])
+    _assert_same(cpu, mn)
+    assert len(mn.model.norms) == len(cpu.model.norms) == 4
+    assert mn.model.norms == pytest.approx(cpu.model.norms, abs=ATOL)
+    assert _train_hook(mn).frontend.breaks
+
+
+class DataDependentBranch(LitClassifier):
+    def training_step(self, batch, batch_idx):
+        loss = F.cross_entropy(self(batch[0]), batch[1])
+        if loss > 1.1:  # a branch on a tensor's value: a graph break, decided on the host
+            loss = loss * 0.5
+        self.log("train_loss", loss)
+        return loss
+
+
+def test_data_dependent_branch_in_training_step_as_on_cpu():
+    """The make_fx tracer refuses this branch (test_errors.py); Dynamo splits the step at
+    it and the host decides it at every step, as on cpu."""
+    cpu = _fit("cpu", DataDependentBranch, epochs=3)
+    mn = _fit("mncore", DataDependentBranch, epochs=3, callbacks=[TrainHook()])
+    _assert_same(cpu, mn)
+    losses = torch.stack(mn.losses)
+    assert (losses < 0.8).any() and (losses > 0.8).any()  # both ways taken (halved or not)
+    line = _line_of(DataDependentBranch.training_step, "if loss > 1.1")
+    assert any(f"{__file__}:{line}" in b.where for b in _train_hook(mn).frontend.breaks)
