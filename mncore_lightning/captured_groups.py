@@ -214,10 +214,11 @@ class CapturedStepGroup(CapturedHook):
         options = dict(self._compile_options)
         codegen_dir = options.pop("codegen_dir", None)
         codegen_dir = codegen_dir() if codegen_dir is not None else None
-        device_group._mncore_replay = True  # replays of captured graphs: traced as they are
         try:
             with torch.inference_mode(False):
-                compiled = self.context.compile(device_group, sample, codegen_dir, **options)
+                compiled = self.context.compile(  # replays of captured graphs: traced as they are
+                    device_group, sample, codegen_dir, capture="trace", **options
+                )
         finally:  # tracing restores the host tensors it ran on, which bumps their versions
             self.strategy._host_versions.record()
         self.compiled.append(compiled)

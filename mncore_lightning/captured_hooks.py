@@ -326,12 +326,13 @@ class CapturedHook:
         options = dict(self._compile_options)
         codegen_dir = options.pop("codegen_dir", None)  # a function giving the folder
         codegen_dir = codegen_dir() if codegen_dir is not None else None
-        # a captured graph's replay, or this package's own code around it (a forward or
-        # backward of a split step, the update): Context.compile traces it as it is
-        function._mncore_replay = True
         try:
             with torch.inference_mode(False):
-                compiled = self.context.compile(function, dict(sample), codegen_dir, **options)
+                # a captured graph's replay, or this package's own code around one (a split
+                # step's forward or backward, its update): traced as it is
+                compiled = self.context.compile(
+                    function, dict(sample), codegen_dir, capture="trace", **options
+                )
         finally:  # tracing restores the host tensors it ran on, which bumps their versions
             self.strategy._host_versions.record()
         self.compiled.append(compiled)
