@@ -171,8 +171,34 @@ class GrowsAList(LitClassifier):
         return loss
 
 
+def test_a_list_appended_to_in_every_step_of_a_group_as_on_cpu():
+    """Dynamo guards the list's length, which changes at every step: after it failed twice
+    the list is taken out of Dynamo's view (AppendedLists), and every step's append lands in
+    order, with the values each step computed inside the group's one device call."""
+    _, cpu_model, _ = _fit("cpu", GrowsAList, epochs=2, batches=8)
+    _, model, path = _fit("mncore", GrowsAList, 4, epochs=2, batches=8)
+    assert path.traced is False
+    assert len(model.seen) == len(cpu_model.seen) == 16
+    for got, want in zip(model.seen, cpu_model.seen, strict=True):
+        assert got.item() == pytest.approx(want.item(), abs=ATOL)
+
+
+class RenamesItselfEveryStep(LitClassifier):
+    """A string attribute the step reads and changes at every step: its guard fails at every
+    call, which neither a re-compile nor the tracer's replay of the group can follow."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tag = "step"
+
+    def training_step(self, batch, batch_idx):
+        self.tag = self.tag + "+"
+        x, y = batch
+        return F.cross_entropy(self(x), y) * len(self.tag)
+
+
 def test_a_refusal_after_the_first_step_of_a_group_is_an_error():
-    """A list the step appends to fails Dynamo's length guard at every step: at the third
-    step of a group, after two steps' appends ran, the group is refused, not run twice."""
+    """A guard failing at every step is refused at the second step of a group, after the
+    first step's Python ran: an error, not the group run twice."""
     with pytest.raises(MisconfigurationException, match=r"steps_per_call=4\): step \d of a group"):
-        _fit("mncore", GrowsAList, 4, epochs=1, batches=4)
+        _fit("mncore", RenamesItselfEveryStep, 4, epochs=1, batches=4)
