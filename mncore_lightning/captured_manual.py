@@ -79,11 +79,11 @@ class ManualSteps:
             raise ValueError(f"{type(optimizer).__name__} is not one of the trainer's optimizers")
 
         toggles = [
-            self._marker(f"toggle_optimizer_{i}", self._toggle(lo))
+            self._marker(f"toggle_optimizer_{i}", self._module_call("toggle_optimizer", lo))
             for i, (lo, _) in enumerate(pairs)
         ]
         untoggles = [
-            self._marker(f"untoggle_optimizer_{i}", self._untoggle(lo))
+            self._marker(f"untoggle_optimizer_{i}", self._module_call("untoggle_optimizer", lo))
             for i, (lo, _) in enumerate(pairs)
         ]
         clips = [
@@ -203,23 +203,17 @@ class ManualSteps:
             type(module).manual_backward(module, loss, *args, **kwargs)
         return loss.detach()
 
-    def _toggle(self, optimizer: Any) -> Callable[[], torch.Tensor]:
+    def _module_call(self, method: str, optimizer: Any) -> Callable[[], torch.Tensor]:
+        """A marker's work: the LightningModule's own `method(optimizer)` (toggle_optimizer,
+        untoggle_optimizer), as the class defines it."""
         module = self.module
+        call = getattr(type(module), method)
 
-        def toggle() -> torch.Tensor:
-            type(module).toggle_optimizer(module, optimizer)
+        def run() -> torch.Tensor:
+            call(module, optimizer)
             return torch.zeros(())
 
-        return toggle
-
-    def _untoggle(self, optimizer: Any) -> Callable[[], torch.Tensor]:
-        module = self.module
-
-        def untoggle() -> torch.Tensor:
-            type(module).untoggle_optimizer(module, optimizer)
-            return torch.zeros(())
-
-        return untoggle
+        return run
 
     def _clip(self, optimizer: Any) -> Callable[..., torch.Tensor]:
         module = self.module

@@ -52,6 +52,7 @@ from torch._subclasses.fake_tensor import is_fake
 from .._source import user_frame
 from ..errors import StaticGraphError
 from ..specs import TensorSpec, check_input_keys, check_real, conform_input
+from ..tracing import _check_outputs
 from .dynamo import MUTATED_PREFIX, CapturedGraph, DynamoFrontend, InputKind
 from .scalars import ScalarsAsTensors
 from .training_calls import substituted
@@ -319,19 +320,6 @@ def _host_value(value: Any) -> Any:
             return torch.zeros(value.shape, dtype=value.dtype)
         return value.detach().clone()
     return value
-
-
-def _check_outputs(result: Any) -> None:
-    if not isinstance(result, Mapping):
-        raise TypeError(
-            f"a compiled function must return a dict of tensors, got {type(result).__name__}"
-        )
-    for key, value in result.items():
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(
-                f"output {key!r} of the compiled function is a {type(value).__name__}, "
-                "not a tensor: return tensors (e.g. torch.tensor(x)) from the step"
-            )
 
 
 __all__ = ["CapturedFunction", "RecompileWarning", "is_replay"]
