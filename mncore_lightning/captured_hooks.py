@@ -160,8 +160,7 @@ class CapturedHook:
         self.gradient_params: dict[str, torch.Tensor] = {}
         self.gradients: dict[str, torch.Tensor] = {}  # the last call's, by gradient_params key
         self.compiled: list[Any] = []  # the device functions, one per graph
-        self._failed_guards: dict[str, int] = {}  # guard -> the call at which it last failed
-        self._calls = 0
+        self._failed_guards: set[str] = set()  # the guards that failed so far
         self._lists = AppendedLists(module)  # the lists the hook appends to, once they grow
         self._derived: dict[tuple[int, str, int | None], Any] = {}  # by log call: see _replay_logs
         self.batch_specs: dict[str, Any] | None = None
@@ -181,7 +180,7 @@ class CapturedHook:
         update = self._update
 
         def step(*args: Any) -> Any:
-            with precision.forward_context():  # as Lightning's step contexts: autocast, say
+            with precision.capture_context():  # as Lightning's step contexts: autocast, say
                 output = user_hook(*args)
             if update is not None:
                 loss = output.get("loss") if isinstance(output, Mapping) else output
@@ -225,7 +224,6 @@ class CapturedHook:
 
     def _run_step(self, args: tuple) -> Any:
         """The hook under Dynamo, its `self.log` calls recorded in `self._logs.calls`."""
-        self._calls += 1
         self._logs.calls.clear()
         state = self.module.__dict__  # not nn.Module.__setattr__: this runs every step
         state["log"], state["log_dict"] = self._log, self._log_dict
@@ -253,16 +251,14 @@ class CapturedHook:
             user_log(module, name, value, *args, **kwargs)
 
     def _retraced(self, reason: str) -> None:
-        """Report a re-compile. The same guard failing again is a value that changes at every
-        call: the length of a list the step appends to is taken out of Dynamo's view from the
-        next call on (AppendedLists); any other guard failing again at the next call goes to
-        the tracer. One that fails again later (a value a hook changes once an epoch) is
-        re-compiled for, up to max_retraces."""
+        """Report a re-compile, counted against max_retraces (past it an error names the
+        guard). The same guard failing again is a value that changes from call to call: the
+        length of a list the step appends to is then taken out of Dynamo's view from the next
+        call on (AppendedLists); any other value is re-compiled for, as torch.compile would."""
         guard = _guard_of(reason)
-        adopted = guard in self._failed_guards and self._lists.adopt(guard)
-        if not adopted and self._failed_guards.get(guard) == self._calls - 1:
-            raise UseTracer(f"{self.hook_name} re-compiles at every call: {reason}")
-        self._failed_guards[guard] = self._calls
+        if guard in self._failed_guards:
+            self._lists.adopt(guard)
+        self._failed_guards.add(guard)
         self.strategy._retrace(self.hook_name, reason)
 
     @property
@@ -350,8 +346,8 @@ class CapturedHook:
     def _refuse_host_code(self, splittable: bool = False) -> None:
         """A training step with a graph break spans device calls around its backward: an
         error with fullgraph=True; splittable (an automatic step, see _split_update) it runs
-        as several device calls, except under 16-mixed (the loss scale is device state);
-        otherwise (a manual step, a steps_per_call group) the make_fx tracer (UseTracer)."""
+        as several device calls; otherwise (a manual step, a steps_per_call group) the make_fx
+        tracer (UseTracer)."""
         if (self._update is not None or self._manual is not None) and self.frontend.breaks:
             breaks = "; ".join(map(str, self.frontend.breaks))
             if self.frontend.fullgraph:
@@ -359,8 +355,6 @@ class CapturedHook:
                     f"fullgraph=True: {self.hook_name} has host code ({breaks}). Where the "
                     f"first one is:\n{self.frontend.breaks[0].stack}"
                 )
-            if splittable and self.strategy.precision_plugin.scaler is not None:
-                raise UseTracer(f"{self.hook_name} has host code under 16-mixed: {breaks}")
             if not splittable:
                 raise UseTracer(f"{self.hook_name} has host code: {breaks}")
 
@@ -376,9 +370,13 @@ class CapturedHook:
         runs what a one-call step runs after its backward (backward_and_update: accumulation,
         clipping, the update). The gradients are the stand-ins' (never the parameters')."""
         accumulate = self._update_options.get("accumulate")
+        scaler = self.strategy.precision_plugin.scaler
         with torch.enable_grad():
             if loss.requires_grad:
-                self.module.backward(loss if accumulate is None else loss / accumulate[0])
+                loss = loss if accumulate is None else loss / accumulate[0]
+                # 16-mixed: the loss scale as the device holds it (the host was synchronized
+                # before the step); the update call unscales with the same, on the device
+                self.module.backward(scaler.scale(loss) if scaler is not None else loss)
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         grads = {}
         for index, param in enumerate(params):

@@ -12,7 +12,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.trainer import call
 
 
@@ -54,6 +54,19 @@ class MNCorePrecision(Precision):
     def forward_context(self) -> Any:
         """Entered around the hook inside the traced step: autocast is recorded into it."""
         return self.inner.forward_context() if self.inner else super().forward_context()
+
+    def capture_context(self) -> contextlib.AbstractContextManager:
+        """`forward_context()` as the context manager it enters (torch.autocast, the default
+        dtype's), for a step captured by TorchDynamo: Dynamo resumes those after a graph
+        break inside them, but not Lightning's generator-based `forward_context` (measured
+        with torch 2.14.1: a break in the step under autocast made Dynamo run the whole step
+        eagerly, on the host)."""
+        inner = self.inner
+        if isinstance(inner, MixedPrecision):
+            return inner.autocast_context_manager()
+        if isinstance(inner, HalfPrecision):
+            return inner.tensor_init_context()
+        return self.forward_context() if inner is not None else contextlib.nullcontext()
 
     @property
     def scaler(self) -> Any:

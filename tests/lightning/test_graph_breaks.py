@@ -211,3 +211,49 @@ def test_data_dependent_branch_in_training_step_as_on_cpu():
     assert (losses < 0.8).any() and (losses > 0.8).any()  # both ways taken (halved or not)
     line = _line_of(DataDependentBranch.training_step, "if loss > 1.1")
     assert any(f"{__file__}:{line}" in b.where for b in _train_hook(mn).frontend.breaks)
+
+
+class PrintsUnderFp16(LitClassifier):
+    """Host code in the forward under 16-mixed: the loss scale is device state."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = self.net[:2](x)
+        print(f"fp16 batch {batch_idx}")
+        loss = F.cross_entropy(self.net[2:](h), y)
+        self.log("train_loss", loss)
+        return loss
+
+
+@pytest.mark.parametrize("init_scale", [2.0**8, 2.0**40])
+def test_host_code_under_16_mixed_scales_skips_and_backs_off_as_on_cpu(init_scale, caplog):
+    """The host's backward runs on the loss scaled by the device's scale (the host is
+    synchronized before the step) and the update call unscales, skips a step with inf/NaN
+    gradients and updates the scale on the device, as GradScaler does on cpu. With a huge
+    initial scale the first steps overflow: skipped, and the scale backs off."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    def plugin() -> MixedPrecision:
+        scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+        return MixedPrecision("16-mixed", "cpu", scaler=scaler)
+
+    cpu = _fit("cpu", PrintsUnderFp16, epochs=2, plugins=[plugin()], callbacks=[TrainHook()])
+    with caplog.at_level("INFO", logger="lightning.pytorch"):
+        mn = _fit("mncore", PrintsUnderFp16, epochs=2, plugins=[plugin()], callbacks=[TrainHook()])
+    _assert_same(cpu, mn)
+    scales = [run.trainer.precision_plugin.scaler.get_scale() for run in (cpu, mn)]
+    assert scales[0] == scales[1]
+    if init_scale > 2.0**30:
+        assert scales[1] < init_scale  # steps overflowed, were skipped, and the scale backed off
+    assert _train_hook(mn).device_calls_per_step > 1  # the forward split at the print
+    assert not any("traced with make_fx" in r.getMessage() for r in caplog.records)
+
+
+def test_host_code_under_bf16_mixed_as_on_cpu():
+    """Autocast around a step with a graph break: Dynamo resumes torch.autocast after the
+    break (MNCorePrecision.capture_context), so each graph's device calls run under it, and
+    the backward and the update outside it, as on cpu."""
+    cpu = _fit("cpu", PrintsUnderFp16, epochs=2, precision="bf16-mixed")
+    mn = _fit("mncore", PrintsUnderFp16, epochs=2, precision="bf16-mixed", callbacks=[TrainHook()])
+    _assert_same(cpu, mn)
+    assert _train_hook(mn).device_calls_per_step > 1
