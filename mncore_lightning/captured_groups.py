@@ -14,11 +14,12 @@ replayed into Lightning, in step order.
 A step that reads a tensor an earlier step of its group left on the module (an attribute set
 to a graph output) reads that step's output inside the device graph; a tensor the graph
 changes in place (a metric's state) is handed from step to step there, and written back once.
-What cannot wait for the group's call is refused before anything of the group ran (the make_fx
-tracer takes the step, through `UseTracer`): a Python number computed on the device
-(`loss.item()`) that the step's host code would use at once, or host code in the step (a
-graph break). Past the first step of a group, such a refusal is an error, since earlier steps'
-Python side effects already ran.
+A step that cannot wait for the group's call (a Python number computed on the device that the
+step's own code uses at once, `self.log("loss", loss.item())`; host code in the step, a graph
+break) is found when Dynamo hands over its graph, before anything of that step ran: the steps
+deferred so far run as one device call, and that step and every later one run one by one, as
+`steps_per_call=1` runs them (a split step for host code), said once in the log. Each step
+still matches cpu; only the device calls per step grow.
 
 The group's device function is compiled once per sequence of captured graphs (K, and the
 graph each step took): the group length (a shorter last group of an epoch), a re-compile of
@@ -32,14 +33,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from mncore_device import StaticGraphError
-from mncore_device.capture import CapturedGraph, InputKind
+from mncore_device.capture import CapturedGraph, InputKind, ScalarsAsTensors
 from mncore_device.capture.dynamo import MUTATED_PREFIX
 
-from .captured_hooks import CapturedHook, UseTracer, _leading_size
+from .captured_hooks import CapturedHook, _leading_size
 from .compiled_hooks import _loss_of
 from .host_sync import GRADIENT_HOOKS
 
@@ -62,12 +64,18 @@ class _Deferred:
 _Source = tuple
 
 
+class _CannotDefer(Exception):  # noqa: N818 - a signal, not an error the user sees
+    """This step's graph cannot wait for the group's device call (see the module docstring);
+    raised when Dynamo hands it over, before anything of the step ran."""
+
+
 class CapturedStepGroup(CapturedHook):
     """`training_step` for groups of K batches, each group ONE device call (module docstring)."""
 
     def __init__(self, strategy: Any, **kwargs: Any) -> None:
         super().__init__(strategy, "training_step", **kwargs)
         self._deferred: list[_Deferred] = []
+        self.one_by_one: str | None = None  # why steps run one by one, once one could not wait
         # by sequence of (graph, sources) per step: (device function, the plan it was traced
         # for, which keeps the graphs alive while their ids are keys)
         self._groups: dict[tuple, tuple[Any, list]] = {}
@@ -85,54 +93,76 @@ class CapturedStepGroup(CapturedHook):
         first_idx = rest[0] * steps_per_call if rest and isinstance(rest[0], int) else None
         ran: list[tuple[Any, list, int | None]] = []
         self._deferred = []
+        alone = len(batches)  # the first step that runs on its own (one_by_one)
+        steps = []
+        for index, batch in enumerate(batches):
+            args = (batch, *rest)
+            if first_idx is not None:
+                args = (batch, first_idx + index, *rest[1:])
+            steps.append(args)
         try:
-            for index, batch in enumerate(batches):
+            for index, args in enumerate(steps):
                 total.completed = completed + index
-                args = (batch, *rest)
-                if first_idx is not None:
-                    args = (batch, first_idx + index, *rest[1:])
+                if self.one_by_one is not None:
+                    alone = index
+                    break
                 try:
                     output = self._run_step(args)
-                except UseTracer as signal:
-                    if index == 0:
-                        raise
-                    raise MisconfigurationException(
-                        f"MNCoreStrategy(steps_per_call={steps_per_call}): step {index} of a "
-                        f"group cannot be deferred to the group's device call ({signal.reason}), "
-                        "and the group's earlier steps already ran their Python code; use "
-                        "steps_per_call=1."
-                    ) from None
+                except _CannotDefer as signal:
+                    self.one_by_one = str(signal)
+                    rank_zero_info(
+                        f"MN-Core: steps_per_call={steps_per_call}: {signal}; from here on each "
+                        "training step runs as its own device call(s)"
+                    )
+                    alone = index
+                    break
                 if len(self._deferred) != index + 1:
                     raise StaticGraphError(
                         f"training_step ran {len(self._deferred) - index} device graphs in step "
                         f"{index} of a group of steps_per_call={steps_per_call}; it must be one"
                     )
                 _loss_of(output)  # a step without a loss (None, say) ran no update: refused
-                ran.append((output, list(self._logs.calls), _leading_size(batch)))
+                ran.append((output, list(self._logs.calls), _leading_size(args[0])))
         finally:
             total.completed = completed
             self._logs.calls.clear()
-        self._run_deferred()
-        for _, calls, size in ran:
-            self._logs.calls[:] = calls
-            self._replay_logs(module, size)
-        self._logs.calls.clear()
-        return ran[-1][0]
+        if ran:
+            self._run_deferred()
+            for _, calls, size in ran:
+                self._logs.calls[:] = calls
+                self._replay_logs(module, size)
+            self._logs.calls.clear()
+        output = ran[-1][0] if ran else None
+        try:
+            for index in range(alone, len(steps)):  # as steps_per_call=1 runs them
+                total.completed = completed + index
+                output = self.strategy._captured_training_step(steps[index], 1, True)
+        finally:
+            total.completed = completed
+        return output
 
     def _compile_graph(self, captured: CapturedGraph) -> Any:
         """Not compiled on its own: a function that defers the graph to the group's call and
         gives placeholders of its outputs' shapes (found by running it on fake tensors)."""
-        self._refuse_host_code()
-        if _numbers_read_at_once(captured):
-            raise UseTracer(
+        self._refuse_host_code(splittable=True)  # fullgraph=True: an error at the line
+        if self.frontend.breaks:
+            breaks = "; ".join(map(str, self.frontend.breaks))
+            raise _CannotDefer(f"training_step has host code ({breaks})")
+        at_once = _numbers_read_at_once(captured)
+        host_numbers = _on_the_host(captured, at_once)
+        if host_numbers is None:
+            raise _CannotDefer(
                 "training_step computes a Python number on the device (a `.item()`, say) that "
-                "the code after the graph uses at once, which a group of steps_per_call steps "
-                "cannot give before the group's device call"
+                "the code after the graph uses at once, which a group of steps cannot give "
+                "before the group's device call"
             )
         shapes = _output_shapes(captured, self._update)
 
         def deferred(inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             outputs = {key: torch.empty(shape, dtype=dtype) for key, shape, dtype in shapes}
+            with torch.no_grad():  # numbers computed from host numbers alone: known now
+                for key, value in host_numbers(inputs).items():
+                    outputs[key].copy_(value)
             self._deferred.append(_Deferred(captured, dict(inputs), outputs))
             return outputs
 
@@ -225,23 +255,70 @@ class CapturedStepGroup(CapturedHook):
         return compiled
 
 
-def _numbers_read_at_once(captured: CapturedGraph) -> bool:
-    """Whether Dynamo's code after the graph turns an output into a Python number at once:
-    a SymInt or SymFloat output, a float Dynamo returns as `torch.scalar_tensor(x)` and
-    unwraps with `.item()` (torch/_dynamo/codegen.py), or a number input returned as such.
-    A placeholder would give it the value of an empty tensor."""
-    if any(captured.number_outputs):
-        return True
+def _numbers_read_at_once(captured: CapturedGraph) -> list[int]:
+    """The outputs Dynamo's code after the graph turns into Python numbers at once: a SymInt
+    or SymFloat output, a float Dynamo returns as `torch.scalar_tensor(x)` and unwraps with
+    `.item()` (torch/_dynamo/codegen.py), or a number input returned as such. A placeholder
+    would give it the value of an empty tensor."""
     numbers = {s.name for s in captured.inputs if s.kind is not InputKind.TENSOR}
     output = next(n for n in captured.graph_module.graph.nodes if n.op == "output")
-    for value in output.args[0]:
-        if not isinstance(value, torch.fx.Node):
+    found = []
+    for index, value in enumerate(output.args[0]):
+        if captured.number_outputs[index]:
+            found.append(index)
+        elif not isinstance(value, fx.Node):
             continue
-        if value.op == "call_function" and value.target is torch.scalar_tensor:
-            return True
-        if value.op == "placeholder" and value.name in numbers:
-            return True
-    return False
+        elif value.op == "call_function" and value.target is torch.scalar_tensor:
+            found.append(index)
+        elif value.op == "placeholder" and value.name in numbers:
+            found.append(index)
+    return found
+
+
+def _on_the_host(captured: CapturedGraph, outputs: list[int]) -> Any:
+    """A function of a call's device inputs computing `outputs` on the host, when each is
+    computed from Python numbers alone (`self.global_step * 2.0 + batch_idx`, the learning
+    rate): what Dynamo's code reads at once is then known before the group's call. None if
+    one of them needs a tensor (`loss.item()`)."""
+    if not outputs:
+        return lambda inputs: {}
+    graph = captured.graph_module.graph
+    results = [next(n for n in graph.nodes if n.op == "output").args[0][i] for i in outputs]
+    kinds = {s.name: s for s in captured.inputs}
+    needed: set[fx.Node] = set()
+    stack = [r for r in results if isinstance(r, fx.Node)]
+    while stack:
+        node = stack.pop()
+        if node in needed:
+            continue
+        if node.op == "placeholder" and kinds[node.name].kind in (
+            InputKind.TENSOR,
+            InputKind.STATE,
+        ):
+            return None
+        needed.add(node)
+        stack.extend(node.all_input_nodes)
+    host = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    placeholders = []
+    for node in graph.nodes:
+        if node in needed:
+            env[node] = host.node_copy(node, env.__getitem__)
+            if node.op == "placeholder":
+                placeholders.append(kinds[node.name])
+    host.output(tuple(env[r] if isinstance(r, fx.Node) else r for r in results))
+    module = fx.GraphModule(captured.graph_module, host)
+    numbers = {s.name for s in placeholders if s.kind is InputKind.NUMBER}
+    examples = dict(zip((s.name for s in captured.inputs), captured.examples, strict=True))
+
+    def compute(inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        values = [
+            inputs[s.name] if s.kind is InputKind.NUMBER else examples[s.name] for s in placeholders
+        ]
+        computed = ScalarsAsTensors(module, numbers).run(*values)
+        return {str(i): torch.as_tensor(v) for i, v in zip(outputs, computed, strict=True)}
+
+    return compute
 
 
 def _output_shapes(captured: CapturedGraph, marker: Any) -> list[tuple[str, tuple[int, ...], Any]]:
@@ -260,8 +337,8 @@ def _output_shapes(captured: CapturedGraph, marker: Any) -> list[tuple[str, tupl
     except Exception as error:
         if hasattr(error, "number_node"):  # a number an op needs as such: fixed by the caller
             raise
-        raise UseTracer(
-            f"training_step's graph could not be run on fake tensors: {error}"
+        raise _CannotDefer(
+            f"training_step's graph could not be run on fake tensors to defer it ({error})"
         ) from error
     return [
         (key, tuple(value.shape), value.dtype)

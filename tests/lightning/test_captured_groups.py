@@ -18,7 +18,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from mncore_device import StaticGraphError
 from mncore_lightning import MNCoreStrategy
@@ -140,7 +139,7 @@ def test_a_tensor_carried_from_step_to_step_inside_a_group_as_on_cpu():
     assert path.functions >= 2
 
 
-class LogsAnItem(LitClassifier):
+class LogsAnItem(LogsEveryCall, LitClassifier):
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = F.cross_entropy(self(x), y)
@@ -148,15 +147,38 @@ class LogsAnItem(LitClassifier):
         return loss
 
 
-def test_a_number_needed_on_the_host_hands_the_groups_to_the_tracer(caplog):
+class PrintsInAGroup(LogsEveryCall, LitClassifier):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        print(f"group step {batch_idx}")  # host code: a graph break
+        loss = F.cross_entropy(self(x), y)
+        self.log("loss", loss)
+        return loss
+
+
+@pytest.mark.parametrize(
+    ("model_cls", "said"), [(LogsAnItem, "Python number"), (PrintsInAGroup, "host code")]
+)
+def test_a_step_that_cannot_wait_for_the_groups_call_runs_one_by_one_as_on_cpu(
+    model_cls, said, caplog
+):
     """Dynamo's code after the graph turns `loss.item()` into a Python number at once (for
-    the log call), which a deferred step cannot give: before anything of the first group ran,
-    training goes back to the make_fx path (which says why), and that path refuses the
-    `.item()` at the user's line, as it did for steps_per_call before."""
-    with caplog.at_level("INFO"), pytest.raises(StaticGraphError, match=r"loss\.item\(\)"):
-        _fit("mncore", LogsAnItem, 2, epochs=1, batches=4)
-    said = [r.getMessage() for r in caplog.records if "traced with make_fx" in r.getMessage()]
-    assert len(said) == 1 and "Python number" in said[0]
+    the log call), and host code runs between graphs: a deferred step can give neither.
+    Found when Dynamo hands the graph over, before anything of the step ran: from then on
+    each step runs on its own, as steps_per_call=1 runs it (said once), and matches cpu."""
+    cpu_trainer, cpu_model, _ = _fit("cpu", model_cls, epochs=2, batches=4)
+    with caplog.at_level("INFO", logger="lightning.pytorch"):
+        trainer, model, path = _fit("mncore", model_cls, 2, epochs=2, batches=4)
+    assert [n for n, _ in model.logged] == [n for n, _ in cpu_model.logged]
+    for (name, got), (_, want) in zip(model.logged, cpu_model.logged, strict=True):
+        assert got == pytest.approx(want, abs=ATOL), name
+    assert_state_close(model, cpu_model)
+    assert trainer.global_step == cpu_trainer.global_step == 8
+    assert path.traced is False
+    messages = [
+        r.getMessage() for r in caplog.records if "runs as its own device" in r.getMessage()
+    ]
+    assert len(messages) == 1 and said in messages[0], messages
 
 
 class GrowsAList(LitClassifier):
@@ -185,7 +207,7 @@ def test_a_list_appended_to_in_every_step_of_a_group_as_on_cpu():
 
 class RenamesItselfEveryStep(LitClassifier):
     """A string attribute the step reads and changes at every step: its guard fails at every
-    call, which neither a re-compile nor the tracer's replay of the group can follow."""
+    call, and no graph input can stand for a string."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -197,8 +219,8 @@ class RenamesItselfEveryStep(LitClassifier):
         return F.cross_entropy(self(x), y) * len(self.tag)
 
 
-def test_a_refusal_after_the_first_step_of_a_group_is_an_error():
-    """A guard failing at every step is refused at the second step of a group, after the
-    first step's Python ran: an error, not the group run twice."""
-    with pytest.raises(MisconfigurationException, match=r"steps_per_call=4\): step \d of a group"):
-        _fit("mncore", RenamesItselfEveryStep, 4, epochs=1, batches=4)
+def test_a_guard_failing_at_every_step_of_a_group_is_refused_past_max_retraces():
+    """Each step re-compiles (as torch.compile would), until max_retraces: then an error
+    names the guard that keeps failing, with the user's line."""
+    with pytest.raises(StaticGraphError, match=r"max_retraces=8.*\.tag == 'step\+*'"):
+        _fit("mncore", RenamesItselfEveryStep, 4, epochs=1, batches=16)

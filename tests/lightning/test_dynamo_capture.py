@@ -29,7 +29,6 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger, TensorBoardLogger
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
 from mncore_device import StaticGraphError
@@ -795,10 +794,18 @@ class TagChangesEveryStep(LitClassifier):
         self.tag = f"step{self.global_step}"
 
 
-def test_a_value_changing_every_step_is_refused_past_max_retraces_naming_the_guard():
+def test_a_value_changing_every_step_is_refused_past_max_retraces_naming_the_guard(caplog):
+    """A string that changes at every step cannot be a graph input: each new value
+    re-compiles (reported with Dynamo's reason), until max_retraces; then an error names the
+    guard that keeps failing, with the user's line."""
     strategy = MNCoreStrategy(device="pfvm:cpu", preset="O0", max_retraces=2)
-    # the same guard failing again hands the step to the make_fx tracer, which re-traces
-    # for each new value until max_retraces, and then names the value that keeps changing
-    with pytest.raises(MisconfigurationException, match=r"max_retraces") as error:
+    with (
+        caplog.at_level("INFO", logger="lightning.pytorch"),
+        pytest.raises(StaticGraphError, match=r"max_retraces=2") as error,
+    ):
         _fit("mncore", TagChangesEveryStep, epochs=3, batches=2, strategy=strategy)
-    assert "self.tag changed 'step" in str(error.value), str(error.value)
+    line = _line_of(TagChangesEveryStep.training_step, "self.tag.endswith")
+    assert ".tag == 'step" in str(error.value), str(error.value)
+    assert f"test_dynamo_capture.py:{line} in training_step" in str(error.value), str(error.value)
+    said = [r.getMessage() for r in caplog.records if "re-tracing training_step" in r.getMessage()]
+    assert len(said) == 2 and all(".tag == 'step" in m for m in said), said

@@ -98,6 +98,21 @@ def _param_groups_of_any_dict_type() -> None:
 _param_groups_of_any_dict_type()
 
 
+def _last_lr_is_a_read() -> None:
+    """Dynamo (torch 2.14.1) skips every function of torch/optim/lr_scheduler.py on purpose
+    (trace_rules.FORCE_SKIP_FILES), so `scheduler.get_last_lr()` in a step is a graph break,
+    although it only returns the list the scheduler's last `step()` stored. Dynamo reads that
+    list instead: its floats are guarded, or graph inputs once they change, as any read."""
+    from torch.optim.lr_scheduler import LRScheduler
+
+    @torch._dynamo.substitute_in_graph(LRScheduler.get_last_lr)
+    def get_last_lr(self: LRScheduler) -> list[float]:
+        return self._last_lr
+
+
+_last_lr_is_a_read()
+
+
 class InputKind(StrEnum):
     """What a captured graph's input is, by what the step read."""
 
