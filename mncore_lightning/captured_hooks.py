@@ -323,7 +323,13 @@ class CapturedHook:
         codegen_dir = options.pop("codegen_dir", None)  # a function giving the folder
         codegen_dir = codegen_dir() if codegen_dir is not None else None
         try:
-            with torch.inference_mode(False):
+            # anomaly mode records the forward's lines for the backward's ops (the device
+            # graph's check names them); its own NaN check would run on the trace's values
+            anomaly = torch.is_anomaly_enabled()
+            with (
+                torch.inference_mode(False),
+                torch.autograd.set_detect_anomaly(anomaly, check_nan=False),
+            ):
                 # a captured graph's replay, or this package's own code around one (a split
                 # step's forward or backward, its update): traced as it is
                 compiled = self.context.compile(

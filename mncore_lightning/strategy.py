@@ -37,6 +37,7 @@ from mncore_device import (
     CacheOptions,
     Context,
     MNDevice,
+    NonFiniteError,
     TensorSpec,
     get_tensor_name,
     resolve_backend,
@@ -51,7 +52,7 @@ from .captured_groups import run_captured_group
 from .captured_hooks import CapturedHook, UseTracer
 from .captured_manual import captured_manual_step
 from .carried_state import signature as carried_signature
-from .compiled_hooks import BatchLayout, CompiledHook, compile_hook, shape_change
+from .compiled_hooks import ANOMALY_PRESET, BatchLayout, CompiledHook, compile_hook, shape_change
 from .data import LAST_BATCH_OPTIONS, StepGroup, StepGroups, with_drop_last
 from .device_selection import resolve_device, resolve_preset
 from .guards import carried_change, describe_change, structure_of
@@ -341,9 +342,10 @@ class CompiledSteps:
         update = window == 1 or self._updating
         if self._is_captured_training(steps):
             try:
-                if steps is not None:  # K steps, one device call (captured_groups.py)
-                    return run_captured_group(self, batch, rest)
-                return self._captured_training_step(args, window, update)
+                with self._stopped_by_anomaly(rest):
+                    if steps is not None:  # K steps, one device call (captured_groups.py)
+                        return run_captured_group(self, batch, rest)
+                    return self._captured_training_step(args, window, update)
             except UseTracer as signal:
                 self._use_tracer("train", signal)
         counters = self._counters(rest)
@@ -408,7 +410,6 @@ class CompiledSteps:
                 module.automatic_optimization
                 or (steps is None and type(self)._train_plan is CompiledSteps._train_plan)
             )
-            and not torch.is_anomaly_enabled()
         )
 
     def _captured_training_step(self, args: tuple, window: int, update: bool) -> Any:
@@ -484,12 +485,34 @@ class CompiledSteps:
             if key in last:
                 check_input(key, last[key], value)
 
+    @contextlib.contextmanager
+    def _stopped_by_anomaly(self, rest: tuple) -> Iterator[None]:
+        """Trainer(detect_anomaly=True): a NaN or inf a training graph computed (the debug
+        preset's executor checks every op, see _compile_options) stops the fit, naming the
+        step, as PyTorch's anomaly error stops it on cpu; the step's results were not kept."""
+        try:
+            yield
+        except NonFiniteError as error:
+            if not torch.is_anomaly_enabled():
+                raise
+            trainer = self.lightning_module.trainer
+            batch_idx = rest[0] if rest and isinstance(rest[0], int) else None
+            raise NonFiniteError(
+                f"Trainer(detect_anomaly=True) stopped the compiled training step "
+                f"(batch_idx={batch_idx}, global_step={trainer.global_step}): {error}. Nothing "
+                "of this step was applied: the weights are those before it."
+            ) from error
+
     def _compile_options(self, stage: str) -> dict[str, Any]:
         """What `Context.compile` gets for a captured hook's graphs; each graph's codegen
-        folder is "<stage>_<count>", as for the traced steps."""
+        folder is "<stage>_<count>", as for the traced steps. Under anomaly mode
+        (Trainer(detect_anomaly=True)) training graphs run with the preset whose executor
+        checks every op for NaN and stops at the first, naming its line (for an op of the
+        backward, the forward line it differentiates); evaluation is not checked, as on cpu."""
         root = self.codegen_dir
+        anomaly = stage == "train" and torch.is_anomaly_enabled()
         return {
-            "options": {"option_json": self.preset},
+            "options": {"option_json": ANOMALY_PRESET if anomaly else self.preset},
             "cache_options": self.cache_options,
             "codegen_dir": (
                 (lambda: root / f"{stage}_{len(self.compiled_functions(stage))}")

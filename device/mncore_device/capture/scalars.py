@@ -133,6 +133,16 @@ class ScalarsAsTensors(fx.Interpreter):
             return self._number(self._as_number(value))
         return value
 
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_anomaly_enabled():
+            return super().run(*args, **kwargs)
+        # anomaly mode records, for each op's backward, the stack of its forward; with the
+        # nodes' meta preserved (the FX interpreter sets it per node) that stack is the line
+        # Dynamo recorded for the node, not this interpreter's frames: an error in the
+        # backward then names the user's forward line ("(its backward)"), as AOTAutograd does
+        with fx.traceback.preserve_node_meta():
+            return super().run(*args, **kwargs)
+
     def run_node(self, node: fx.Node) -> Any:
         self.current_node = node
         try:
