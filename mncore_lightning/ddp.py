@@ -44,7 +44,7 @@ from torch.distributed.constants import default_pg_timeout
 
 from mncore_device import Backend, MNDevice, resolve_backend
 
-from .compiled_hooks import CompiledHook
+from .compiled_hooks import backward_and_update
 from .device_selection import rank_device, resolve_device
 from .strategy import CompiledSteps
 from .sync_batchnorm import traced_sync_batchnorm
@@ -107,7 +107,7 @@ class MNCoreDDPStrategy(CompiledSteps, DDPStrategy):
         # DistributedDataParallel's require_forward_param_sync: whether the next forward
         # broadcasts the buffers (set at the wrap, then by each forward, see _ddp_forward)
         self._buffers_sync_next = True
-        self._update_hook: CompiledHook | None = None
+        self._update_hook: Any = None  # the split step's update (a device function)
         self.allreduce_seconds = 0.0  # host all-reduce time of the split step (benchmarks)
 
     @property
@@ -262,22 +262,48 @@ class MNCoreDDPStrategy(CompiledSteps, DDPStrategy):
         if self._gradients:  # gradient hooks see the averaged gradients, as under DDP
             self._gradients = [(p, b.detach().clone(), 0) for p, b in buffers.items()]
         if self._update_hook is None:
-            module = self.lightning_module
-            trainer = module.trainer
-            self._update_hook, _ = self._compile(
-                "training_step",
-                (),
-                (counters["batch_idx"],),
-                label="train_update",
-                optimizer=self.optimizers[0],
-                gradient_clipping=(trainer.gradient_clip_val, trainer.gradient_clip_algorithm),
+            self._update_hook = self._compile_update(buffers)
+        self._update_hook({})
+        self.compiled_calls += 1
+
+    def _compile_update(self, buffers: dict[torch.Tensor, torch.Tensor]) -> Any:
+        """The split step's update as a device function: the averaged gradient buffers are
+        the gradients; clipping, the optimizer's update and zeroing the buffers, as
+        `backward_and_update` runs them after a one-call step's backward (this package's
+        code, traced as it is)."""
+        module = self.lightning_module
+        trainer = module.trainer
+        optimizer = self.optimizers[0]
+
+        def update(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            for param, buffer in buffers.items():
+                param.grad = buffer
+            return backward_and_update(
+                module,
+                optimizer,
+                None,
+                self.precision_plugin.scaler,
                 accumulate=(trainer.accumulate_grad_batches, buffers),
                 update=True,
-                forward=False,
-                counters=counters,
+                reduce_gradients=None,
+                gradient_clipping=(trainer.gradient_clip_val, trainer.gradient_clip_algorithm),
+                gradient_params=None,
             )
-        self._update_hook(self.lightning_module, {}, counters)
-        self.compiled_calls += 1
+
+        options = self._compile_options("train")
+        codegen_dir = self.codegen_dir / "train_update" if self.codegen_dir else None
+        try:
+            compiled = self.context.compile(
+                update,
+                {},
+                codegen_dir,
+                capture="trace",
+                options=options["options"],
+                cache_options=options["cache_options"],
+            )
+        finally:  # tracing restores the host tensors it ran on, which bumps their versions
+            self._host_versions.record()
+        return compiled
 
     def __repr__(self) -> str:
         return (
