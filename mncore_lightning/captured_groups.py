@@ -42,8 +42,8 @@ from mncore_device.capture import CapturedGraph, InputKind, ScalarsAsTensors
 from mncore_device.capture.dynamo import MUTATED_PREFIX
 
 from .captured_hooks import CapturedHook, _leading_size
-from .compiled_hooks import _loss_of
 from .host_sync import GRADIENT_HOOKS
+from .update import loss_of
 
 # the key of the group hook among the strategy's captured hooks (stage, window, update, kind)
 GROUP_KEY = ("train", 1, True, "steps_per_call")
@@ -121,7 +121,7 @@ class CapturedStepGroup(CapturedHook):
                         f"training_step ran {len(self._deferred) - index} device graphs in step "
                         f"{index} of a group of steps_per_call={steps_per_call}; it must be one"
                     )
-                _loss_of(output)  # a step without a loss (None, say) ran no update: refused
+                loss_of(output)  # a step without a loss (None, say) ran no update: refused
                 ran.append((output, list(self._logs.calls), _leading_size(args[0])))
         finally:
             total.completed = completed
@@ -130,13 +130,13 @@ class CapturedStepGroup(CapturedHook):
             self._run_deferred()
             for _, calls, size in ran:
                 self._logs.calls[:] = calls
-                self._replay_logs(module, size)
+                self._logs.replay(module, size)
             self._logs.calls.clear()
         output = ran[-1][0] if ran else None
         try:
             for index in range(alone, len(steps)):  # as steps_per_call=1 runs them
                 total.completed = completed + index
-                output = self.strategy._captured_training_step(steps[index], 1, True)
+                output = self.strategy._captured_training_step(steps[index], False, 1, True)
         finally:
             total.completed = completed
         return output

@@ -34,7 +34,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from mncore_device import Context, StaticGraphError
@@ -43,9 +42,8 @@ from mncore_device.capture.appended_lists import AppendedLists, length_guard
 from mncore_device.capture.autograd_graphs import DifferentiableGraph, StandIns
 from mncore_device.capture.dynamo import own_code
 
-from .compiled_hooks import _DerivedLog, _LogCall, _loss_of, backward_and_update
-
-_LIGHTNING_LOG = LightningModule.log
+from .log_replay import RecordedLogs
+from .update import backward_and_update, loss_of
 
 
 def _requirement_checks_are_constants() -> None:
@@ -107,22 +105,6 @@ class UseTracer(Exception):  # noqa: N818 - a signal, not an error the user sees
         self.reason = reason
 
 
-class _Logs:
-    """`self.log` while a captured hook runs: Dynamo traces `log` and replays its appends."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, Any, tuple, dict]] = []
-
-    def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            value = value.detach()
-        self.calls.append((name, value, args, kwargs))
-
-    def log_dict(self, dictionary: Mapping[str, Any], *args: Any, **kwargs: Any) -> None:
-        for name, value in dictionary.items():
-            self.log(name, value, *args, **kwargs)
-
-
 class CapturedHook:
     """One hook of the strategy's LightningModule, captured by Dynamo and run on the device.
 
@@ -155,14 +137,13 @@ class CapturedHook:
         self._update_options = dict(update_options or {})
         self._return_gradients = self._update_options.pop("return_gradients", False)
         self._compile_options = dict(compile_options)
-        self._logs = _Logs()
+        self._logs = RecordedLogs()
         self._log, self._log_dict = self._logs.log, self._logs.log_dict  # one object each
         self.gradient_params: dict[str, torch.Tensor] = {}
         self.gradients: dict[str, torch.Tensor] = {}  # the last call's, by gradient_params key
         self.compiled: list[Any] = []  # the device functions, one per graph
         self._failed_guards: set[str] = set()  # the guards that failed so far
         self._lists = AppendedLists(module)  # the lists the hook appends to, once they grow
-        self._derived: dict[tuple[int, str, int | None], Any] = {}  # by log call: see _replay_logs
         self.batch_specs: dict[str, Any] | None = None
         self.batch_shapes: list[Any] | None = (
             None  # the last batch's, to compare cheaply  # the last batch's (the strategy's)
@@ -212,14 +193,14 @@ class CapturedHook:
         with manual.installed() if manual is not None else contextlib.nullcontext():
             output = self._run_step(args)
         if self._update is not None:
-            loss = _loss_of(output)  # a step without a loss (None, say) ran no update: refused
+            loss = loss_of(output)  # a step without a loss (None, say) ran no update: refused
             if not self._fused_ran:  # host code in the step: backward and update follow
                 self._split_update(loss)
                 output = _with_detached_loss(output, loss)
                 self._report_split()
         if manual is not None:
             manual.replay()  # Lightning's bookkeeping of each opt.step(), scheduler steps
-        self._replay_logs(self.module, _leading_size(args[0]) if args else None)
+        self._logs.replay(self.module, _leading_size(args[0]) if args else None)
         return output
 
     def _run_step(self, args: tuple) -> Any:
@@ -232,23 +213,6 @@ class CapturedHook:
                 return self.frontend(*args)
         finally:
             del state["log"], state["log_dict"]
-
-    def _replay_logs(self, module: Any, size: int | None) -> None:
-        """Each recorded `self.log`, into Lightning. A scalar tensor logged by the same call
-        as at the last step goes straight to its result-collection entry (`_DerivedLog`:
-        ~0.1 ms a value instead of ~0.8 ms through `LightningModule.log`'s checks)."""
-        user_log = getattr(type(module), "log", _LIGHTNING_LOG)  # the module's override, if any
-        direct = user_log is _LIGHTNING_LOG
-        for index, (name, value, args, kwargs) in enumerate(self._logs.calls):
-            if direct and isinstance(value, torch.Tensor) and value.numel() == 1:
-                key = (index, name, size)  # Lightning weighs by the batch's size
-                derived = self._derived.get(key)
-                if derived is None or not derived.replay(module, value):
-                    call = _LogCall(name, None, None, args, kwargs)
-                    log = functools.partial(_LIGHTNING_LOG, module)
-                    self._derived[key] = _DerivedLog.record(module, log, call, value)
-                continue
-            user_log(module, name, value, *args, **kwargs)
 
     def _retraced(self, reason: str) -> None:
         """Report a re-compile, counted against max_retraces (past it an error names the

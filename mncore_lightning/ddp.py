@@ -44,10 +44,10 @@ from torch.distributed.constants import default_pg_timeout
 
 from mncore_device import Backend, MNDevice, resolve_backend
 
-from .compiled_hooks import backward_and_update
 from .device_selection import rank_device, resolve_device
 from .strategy import CompiledSteps
 from .sync_batchnorm import traced_sync_batchnorm
+from .update import backward_and_update
 
 
 class MNCoreDDPStrategy(CompiledSteps, DDPStrategy):
@@ -211,20 +211,16 @@ class MNCoreDDPStrategy(CompiledSteps, DDPStrategy):
         super()._register_state()
         self._update_hook = None
 
-    def _compile(self, *args: Any, **kwargs: Any):
-        """Traced SyncBatchNorm layers exchange their statistics with functional collectives
-        (sync_batchnorm.py); configure_ddp refused them on the split step."""
-        with traced_sync_batchnorm(self.lightning_module):
-            return super()._compile(*args, **kwargs)
-
-    def _captured_training_step(self, args: tuple, window: int, update: bool) -> Any:
+    def _captured_training_step(
+        self, args: tuple, manual: bool, window: int, update: bool
+    ) -> Any:
         """The step captured by TorchDynamo (captured_hooks.py); its SyncBatchNorm layers
         exchange statistics with functional collectives, which Dynamo keeps in its graph.
         A split step's forward+backward leaves the gradients in device buffers; the host
         all-reduce and the compiled update follow (_after_train_call)."""
         with traced_sync_batchnorm(self.lightning_module):
-            result = super()._captured_training_step(args, window, update)
-        self._after_train_call(update, self._counters(args[1:]))
+            result = super()._captured_training_step(args, manual, window, update)
+        self._after_train_call(update)
         return result
 
     # --- gradient averaging --------------------------------------------------------------------
@@ -246,7 +242,7 @@ class MNCoreDDPStrategy(CompiledSteps, DDPStrategy):
             )
         return True, False  # forward+backward into the gradient buffers; the update follows
 
-    def _after_train_call(self, update: bool, counters: dict[str, int]) -> None:
+    def _after_train_call(self, update: bool) -> None:
         """Split step: at the end of an accumulation window, average the device's gradient
         buffers over torch.distributed on the host, then run the compiled update."""
         if not self.split_step or not update:

@@ -4,7 +4,7 @@ Lightning ships its code twice, as `lightning.pytorch` and as `pytorch_lightning
 one source by rewriting the imports; a Trainer of one refuses the other's classes. This module
 does the same for the plugin: the modules that name Lightning are loaded a second time with
 `lightning.pytorch` read as `pytorch_lightning` (and `lightning.fabric` as `lightning_fabric`),
-as the package `mncore_lightning.pl`; everything else (optimizers, carried state, guards, the
+as the package `mncore_lightning.pl`; everything else (optimizers, the update, the module's structure, the
 device layer) is shared. It is done when `pytorch_lightning` is imported, before or after
 `mncore_lightning` (never eagerly: importing the second package changes process-wide state, such
 as which logger Lightning's rank-zero messages go to), so `pl.Trainer(accelerator="mncore")`
@@ -27,8 +27,7 @@ _MIRRORED = (
     "precision",
     "data",
     "host_sync",
-    "python_values",
-    "compiled_hooks",
+    "log_replay",
     "captured_hooks",
     "captured_groups",
     "captured_manual",
@@ -38,16 +37,13 @@ _MIRRORED = (
 )
 # Free of Lightning: the same modules serve both packages.
 _SHARED = (
-    "batch_values",
-    "carried_state",
     "device_selection",
-    "guards",
     "manual_gradients",
     "optimizers",
     "optimizers._convert",
-    "side_effects",
-    "step_counters",
+    "structure",
     "sync_batchnorm",
+    "update",
 )
 _RENAMES = (("lightning.pytorch", "pytorch_lightning"), ("lightning.fabric", "lightning_fabric"))
 

@@ -49,25 +49,18 @@ from mncore_device.specs import check_input
 
 from .accelerator import MNCoreAccelerator
 from .captured_groups import run_captured_group
-from .captured_hooks import CapturedHook, UseTracer
+from .captured_hooks import CapturedHook
 from .captured_manual import captured_manual_step
-from .carried_state import signature as carried_signature
-from .compiled_hooks import ANOMALY_PRESET, BatchLayout, CompiledHook, compile_hook, shape_change
 from .data import LAST_BATCH_OPTIONS, StepGroup, StepGroups, with_drop_last
 from .device_selection import resolve_device, resolve_preset
-from .guards import carried_change, describe_change, structure_of
 from .host_sync import GRADIENT_HOOKS, HostSync, HostVersions, overridden_hooks
 from .optimizers import MNCoreOptimizer, device_optimizer
 from .optimizers._convert import track_step_calls
 from .precision import MNCorePrecision
-from .step_counters import scheduler_counters
+from .structure import describe_change, structure_of
+from .update import ANOMALY_PRESET
 
 _EVAL_HOOKS = ("validation_step", "test_step", "predict_step")
-# Which frontend captures the steps, while they move to TorchDynamo: "dynamo" (captured_hooks.py:
-# automatic and manual optimization (captured_manual.py), steps_per_call groups
-# (captured_groups.py), data parallel, and evaluation), or "trace" (make_fx with the
-# hand-written interceptions of compiled_hooks.py, which the other steps still use).
-CAPTURES = ("dynamo", "trace")
 log = logging.getLogger(__name__)
 _WRAPPED_PRECISIONS = ("bf16-mixed", "bf16-true", "16-mixed")
 
@@ -122,9 +115,6 @@ class CompiledSteps:
         self.codegen_dir = Path(codegen_dir) if codegen_dir is not None else None
         self.cache_options = CacheOptions(cache_dir) if cache_dir is not None else None
         self.context: Context | None = None
-        self._train_hook: CompiledHook | None = None
-        self._train_hooks: dict[tuple, CompiledHook] = {}  # by carried-state signature
-        self._eval_hooks: dict[str, list[CompiledHook]] = {}  # by stage
         self._device_is_newer = False
         self._host_sync: HostSync | None = None
         self._user_hooks: set[str] = set()
@@ -138,12 +128,8 @@ class CompiledSteps:
         self.steps_per_call = steps_per_call
         self.last_call_steps = 1  # training steps the last compiled training call ran
         self.fullgraph = fullgraph
-        self.capture = os.environ.get("MNCORE_CAPTURE", "dynamo")
-        if self.capture not in CAPTURES:
-            raise ValueError(f"MNCORE_CAPTURE must be one of {CAPTURES}, got {self.capture!r}")
         # the hooks captured by TorchDynamo (captured_hooks.py), by stage and kind of step
         self._captured: dict[tuple, CapturedHook] = {}
-        self._traced: set[Any] = set()  # the hooks that went back to make_fx (UseTracer)
 
     # --- the accelerator and the precision plugin are ours -----------------------------------
 
@@ -252,14 +238,8 @@ class CompiledSteps:
                 optimizer.ensure_state()
             set_buffer_name_in_optimizer(optimizer, f"optimizer{index}" if several else "optimizer")
             self.context.register_optimizer_buffers(optimizer)
-        self._train_hook = None
-        self._train_hooks = {}
-        self._train_key: tuple | None = None
-        self._carried: tuple | None = None
         self._grad_buffers: dict[torch.Tensor, torch.Tensor] = {}
-        self._eval_hooks = {}
         self._captured = {}
-        self._traced = set()
         self._device_is_newer = False
         self._watch_host_tensors()
         self._structure = structure_of(module, self.optimizers)
@@ -283,24 +263,6 @@ class CompiledSteps:
         Context.switch_context(self.context)
         self._register_state()
         self._retrace("the compiled steps", describe_change(before, after))
-
-    def _check_python_values(self) -> None:
-        """After a user hook ran: compiled steps traced for Python values that changed since
-        (`self.scale` set in a hook, a callback's `dropout.p`) are dropped, and traced again
-        when next called, as on cpu the next step computes with the new values."""
-        for key, hook in list(self._train_hooks.items()):
-            change = hook.python_values.changed()
-            if change:
-                del self._train_hooks[key]
-                if hook is self._train_hook:
-                    self._train_hook = None
-                    self._retrace("training_step", change)
-        for stage, hooks in self._eval_hooks.items():
-            changes = [(hook, hook.python_values.changed()) for hook in hooks]
-            self._eval_hooks[stage] = [hook for hook, change in changes if not change]
-            reason = next((change for _, change in changes if change), None)
-            if reason and stage == self._stage():
-                self._retrace(f"the {stage} steps", reason)
 
     def _retrace(self, what: str, reason: str) -> None:
         """Count and report one re-trace; past `max_retraces` in a stage, refuse."""
@@ -340,88 +302,28 @@ class CompiledSteps:
         manual = not module.automatic_optimization
         window = 1 if manual else module.trainer.accumulate_grad_batches
         update = window == 1 or self._updating
-        if self._is_captured_training(steps):
-            try:
-                with self._stopped_by_anomaly(rest):
-                    if steps is not None:  # K steps, one device call (captured_groups.py)
-                        return run_captured_group(self, batch, rest)
-                    return self._captured_training_step(args, window, update)
-            except UseTracer as signal:
-                self._use_tracer("train", signal)
-        counters = self._counters(rest)
-        plan = accumulating, graph_update = self._train_plan(manual, window, update)
-        # One graph per carried-tensor signature, kind of micro-batch (accumulating, or
-        # ending a window with the update) and set of counters (the LR schedulers).
-        key = (self._carried_signature(), window, graph_update, steps, tuple(counters))
-        layout, inputs = BatchLayout.of(batch)
-        if self._train_hook is not None and self._train_key != key:
-            # carried tensors changed structure (None -> a tensor, say), or accumulation
-            # moved to the other kind of micro-batch: a step traced for them before is
-            # reused, otherwise the step is traced again
-            previous, self._train_key = self._train_key, key
-            self._train_hook = self._train_hooks.get(key)
-            if self._train_hook is None and previous[0] != key[0]:
-                self._retrace("training_step", carried_change(previous[0], key[0]))
-            elif self._train_hook is None and previous[1] != key[1]:
-                self._retrace(
-                    "training_step", f"accumulate_grad_batches changed {previous[1]} -> {window}"
-                )
-            elif self._train_hook is None and previous[4] != key[4]:
-                self._retrace("training_step", "the LR schedulers changed")
-        hook = self._train_hook
-        if hook is not None and self._is_short_last_batch(hook, layout, inputs, rest):
-            # last_batch="compile": the epoch's short last batch has a graph of its own
-            key = (*key, tuple((k, tuple(v.shape)) for k, v in inputs.items()))
-            hook = self._train_hooks.get(key)
-            if hook is None:
-                hook, inputs = self._compile_training(
-                    batch, rest, key, plan, counters, "train_last"
-                )
-        else:
-            if hook is not None:
-                self._check_training_batch(layout, inputs, counters)
-            if self._train_hook is None:
-                self._train_hook, inputs = self._compile_training(batch, rest, key, plan, counters)
-                self._train_key = key
-            hook = self._train_hook
-        result = hook(module, inputs, counters, layout)
-        self._after_call(hook)
-        self._device_is_newer = True
-        self._gradients = hook.gradients
-        self.compiled_calls += 1
-        self.last_call_steps = steps or 1
-        self._after_train_call(update, counters)
-        return result
+        with self._stopped_by_anomaly(rest):
+            if steps is not None:  # K steps, one device call (captured_groups.py)
+                return run_captured_group(self, batch, rest)
+            return self._captured_training_step(args, manual, window, update)
 
-    def _use_tracer(self, key: Any, signal: UseTracer) -> None:
-        """A hook the Dynamo path cannot run yet goes to the make_fx tracer for the rest of
-        the fit (captured_hooks.UseTracer), which says so once."""
-        self._traced.add(key)
-        rank_zero_info(f"MN-Core: tracing {signal.reason}; it is traced with make_fx instead")
-
-    def _is_captured_training(self, steps: int | None) -> bool:
-        """Whether the training step runs through the Dynamo frontend (captured_hooks.py;
-        captured_manual.py for manual optimization)."""
-        module = self.lightning_module
-        return (
-            self.capture == "dynamo"
-            and "train" not in self._traced
-            and (  # manual optimization: one step per call, on one device
-                module.automatic_optimization
-                or (steps is None and type(self)._train_plan is CompiledSteps._train_plan)
-            )
-        )
-
-    def _captured_training_step(self, args: tuple, window: int, update: bool) -> Any:
+    def _captured_training_step(
+        self, args: tuple, manual: bool, window: int, update: bool
+    ) -> Any:
         """One training step (forward, backward and update) as one device call; a plan
         without the update (`_train_plan`: a split step) leaves the gradients in buffers."""
         trainer = self.lightning_module.trainer
-        accumulating, update = self._train_plan(False, window, update)
+        accumulating, update = self._train_plan(manual, window, update)
         key = ("train", window, update)
         hook = self._captured.get(key)
         if hook is None and not self.lightning_module.automatic_optimization:
             hook = self._captured[key] = captured_manual_step(self)
         if hook is None:
+            if not self.optimizers:
+                raise MisconfigurationException(
+                    "MNCoreStrategy needs an optimizer from configure_optimizers to compile "
+                    "the training step"
+                )
             hook = CapturedHook(
                 self,
                 "training_step",
@@ -456,7 +358,8 @@ class CompiledSteps:
         if shapes == hook.batch_shapes:  # the common case, every step: cheap
             return
         hook.batch_shapes = shapes
-        _, inputs = BatchLayout.of(args[0])
+        leaves = tree_leaves(args[0])
+        inputs = {f"batch/{i}": t for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)}
         specs = {key: TensorSpec.of(value) for key, value in inputs.items()}
         last = hook.batch_specs  # the epoch's full batches'
         batch_idx = args[1] if len(args) > 1 and isinstance(args[1], int) else None
@@ -521,59 +424,6 @@ class CompiledSteps:
             ),
         }
 
-    def _compile_training(
-        self,
-        batch: Any,
-        rest: tuple,
-        key: tuple,
-        plan: tuple,
-        counters: dict[str, int],
-        label: str | None = None,
-    ) -> tuple[CompiledHook, dict[str, torch.Tensor]]:
-        """Trace and compile the training step for `key` (see training_step) and keep it;
-        `plan`: whether it accumulates gradients and runs the update (_train_plan)."""
-        module = self.lightning_module
-        trainer = module.trainer
-        optimizer = self.optimizers[0] if self.optimizers else None
-        if optimizer is None:
-            raise MisconfigurationException(
-                "MNCoreStrategy needs an optimizer from configure_optimizers to compile "
-                "the training step"
-            )
-        manual = not module.automatic_optimization
-        (accumulating, graph_update), window, steps = plan, key[1], key[3]
-        hook, inputs = self._compile(
-            "training_step",
-            batch,
-            rest,
-            label,
-            optimizer=None if manual else optimizer,
-            manual=manual,
-            gradient_clipping=(trainer.gradient_clip_val, trainer.gradient_clip_algorithm),
-            return_gradients=not manual and bool(self._user_hooks.intersection(GRADIENT_HOOKS)),
-            accumulate=(window, self._gradient_buffers()) if accumulating else None,
-            update=graph_update,
-            reduce_gradients=self._gradient_reduction(),
-            steps=steps,
-            counters=counters,
-        )
-        self._train_hooks[key] = hook
-        return hook, inputs
-
-    def _is_short_last_batch(
-        self, hook: CompiledHook, layout: BatchLayout, inputs: dict, rest: tuple
-    ) -> bool:
-        """last_batch="compile": this is the epoch's last batch, laid out as the compiled
-        step's batches but of other shapes (the remainder of the dataset)."""
-        if self.last_batch != "compile":
-            return False
-        trainer = self.lightning_module.trainer
-        batch_idx = rest[0] if rest and isinstance(rest[0], int) else None
-        last = trainer.num_training_batches
-        if batch_idx is None or (last != float("inf") and batch_idx != last - 1):
-            return False
-        return hook.layout.difference(layout) is None and bool(shape_change(hook.compiled, inputs))
-
     def _train_plan(self, manual: bool, window: int, update: bool) -> tuple[bool, bool]:
         """Whether the training graph accumulates gradients into device buffers, and whether
         it runs the update; one step of a single device does both in one graph."""
@@ -584,7 +434,7 @@ class CompiledSteps:
         data parallel averages them across ranks)."""
         return None
 
-    def _after_train_call(self, update: bool, counters: dict[str, int]) -> None:
+    def _after_train_call(self, update: bool) -> None:
         """After each compiled training call (a split step runs its update here)."""
 
     @contextlib.contextmanager
@@ -614,36 +464,6 @@ class CompiledSteps:
         """Host and device agree now on every registered tensor: watch them for host edits."""
         self._host_versions = HostVersions(list(self.context.registered_tensors().values()))
 
-    def _carried_signature(self) -> tuple:
-        """The module's carried tensors (carried_state.signature), scanned again only when they
-        may have changed: after a user hook ran, or after a step that assigns them. Between
-        steps of a plain loop no user code runs, so the scan is not repeated per step."""
-        if self._carried is None:
-            self._carried = carried_signature(self.lightning_module)
-        return self._carried
-
-    def _after_call(self, hook: CompiledHook) -> None:
-        if hook.carried.assigned:  # the step set carried tensors on the modules
-            self._carried = None
-
-    def _check_training_batch(self, layout: BatchLayout, inputs: dict, counters: dict) -> None:
-        """A batch unlike the compiled step's: at an epoch boundary (a reloaded DataLoader, a
-        new batch size) the step is traced again; inside an epoch, an error names the element
-        (a shape change there is the compiled call's InputSpecError)."""
-        hook = self._train_hook
-        change = hook.layout.difference(layout)
-        if counters["batch_idx"] == 0:
-            change = change or shape_change(hook.compiled, inputs)
-            if change:
-                self._retrace("training_step", f"the training batch changed: {change}")
-                self._train_hook = None
-        elif change:
-            raise MisconfigurationException(
-                f"the training batch changed after the step was compiled: {change}. A compiled "
-                "step is traced for the values of a batch's non-tensor elements; keep them the "
-                "same within an epoch, or turn them into tensors."
-            )
-
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._eval_step("validation_step", args)
 
@@ -654,93 +474,23 @@ class CompiledSteps:
         return self._eval_step("predict_step", args)
 
     def _eval_step(self, hook_name: str, args: tuple) -> Any:
-        """Each stage (sanity check, validate, test, predict) has its own compiled functions:
-        one per batch shape (and dataloader), so a ragged last batch costs one more compile."""
-        batch, rest = args[0], args[1:]
+        """Each stage (sanity check, validate, test, predict) has its own captured hook: one
+        device function per batch shape (and dataloader), so a ragged last batch costs one
+        more compile."""
         self._push_host_edits()  # an EMA or SWA swap, say: evaluate the weights the host holds
         key = (self._stage(), hook_name)
-        if self.capture == "dynamo" and key not in self._traced:
-            hook = self._captured.get(key)
-            if hook is None:
-                hook = CapturedHook(
-                    self,
-                    hook_name,
-                    fullgraph=self.fullgraph,
-                    compile_options=self._compile_options(key[0]),
-                )
-                self._captured[key] = hook
-            try:
-                result = hook(*args)
-            except UseTracer as signal:
-                self._use_tracer(key, signal)
-            else:
-                self.compiled_calls += 1
-                return result
-        counters = self._counters(rest)
-        layout, inputs = BatchLayout.of(batch)
-        hooks = self._eval_hooks.setdefault(self._stage(), [])
-        carried = self._carried_signature()
-        for hook in hooks:
-            if (
-                hook.layout.difference(layout) is None
-                and hook.extra_args == rest[1:]
-                and hook.carried.signature == carried
-                and hook.counter_names == tuple(counters)
-                and _matches(hook, inputs)
-            ):
-                break
-        else:
-            for other in hooks:  # a ragged last batch compiles silently; other changes say so
-                change = other.layout.difference(layout)
-                if change and other.extra_args == rest[1:]:
-                    self._retrace(hook_name, f"the batch changed: {change}")
-                    break
-            hook, inputs = self._compile(hook_name, batch, rest, optimizer=None, counters=counters)
-            hooks.append(hook)
-        self.compiled_calls += 1
-        result = hook(self.lightning_module, inputs, counters, layout)
-        self._after_call(hook)
-        return result
-
-    def _counters(self, rest: tuple) -> dict[str, int]:
-        """The step counters a compiled step reads live (step_counters.py)."""
-        trainer = self.lightning_module.trainer
-        batch_idx = rest[0] if rest and isinstance(rest[0], int) else 0
-        if trainer.training:  # Lightning counts groups of steps_per_call batches
-            batch_idx *= self.steps_per_call
-        return {
-            "batch_idx": batch_idx,
-            "global_step": trainer.global_step,
-            "current_epoch": trainer.current_epoch,
-            **scheduler_counters([config.scheduler for config in self.lr_scheduler_configs]),
-        }
-
-    def _compile(
-        self, hook_name: str, batch: Any, rest: tuple, label: str | None = None, **kwargs: Any
-    ):
-        """Trace and compile one hook. Tracing restores the host tensors it ran on, which
-        bumps their versions: host edits are pushed before it, and the versions recorded
-        after it. Its codegen folder is `label`, else "<stage>_<count>"."""
-        codegen_dir = None
-        if self.codegen_dir is not None:
-            stage = self._stage()
-            count = len(self._eval_hooks.get(stage, []))
-            codegen_dir = self.codegen_dir / (label or f"{stage}_{count}")
-        try:
-            return compile_hook(
-                self.context,
-                self.lightning_module,
+        hook = self._captured.get(key)
+        if hook is None:
+            hook = CapturedHook(
+                self,
                 hook_name,
-                batch,
-                rest,
-                options={"option_json": self.preset},
-                codegen_dir=codegen_dir,
-                cache_options=self.cache_options,
-                to_host=self._to_host,
-                **kwargs,
+                fullgraph=self.fullgraph,
+                compile_options=self._compile_options(key[0]),
             )
-        finally:
-            self._host_versions.record()
+            self._captured[key] = hook
+        result = hook(*args)
+        self.compiled_calls += 1
+        return result
 
     def _stage(self) -> str:
         stage = self.lightning_module.trainer.state.stage
@@ -780,9 +530,7 @@ class CompiledSteps:
             # hook's edits, some of which no version counter sees (`p.data.copy_(x)`, as
             # weight-averaging callbacks swap weights): push all of it.
             self.user_hook_ran = False
-            self._carried = None  # a hook may have set or cleared a carried tensor
             self._check_structure()
-            self._check_python_values()
             if not self._device_is_newer:
                 self.context.load_from_host()
                 self._host_versions.record()
@@ -850,9 +598,6 @@ class CompiledSteps:
         if trainer is not None and self._host_sync in trainer.callbacks:
             trainer.callbacks.remove(self._host_sync)
         self.context = None
-        self._train_hook = None
-        self._train_hooks = {}
-        self._eval_hooks = {}
         self._captured = {}
         super().teardown()
 
@@ -866,27 +611,18 @@ class CompiledSteps:
         for key, hook in self._captured.items():
             if stage in (None, key[0]):
                 functions += hook.compiled
-        if stage in (None, "train"):
-            functions += [hook.compiled for hook in self._train_hooks.values()]
-        for name, hooks in self._eval_hooks.items():
-            if stage in (None, name):
-                functions += [hook.compiled for hook in hooks]
         return functions
 
     def training_graph_kinds(self) -> list[tuple[int, bool]]:
         """(accumulate_grad_batches, runs the update) of each kind of training graph compiled:
         an accumulation window has a graph for its micro-batches and one that ends it."""
         kinds = {(key[1], key[2]) for key in self._captured if key[0] == "train"}
-        kinds |= {(key[1], key[2]) for key in self._train_hooks}
         return sorted(kinds)
 
     def device_stats(self) -> dict[str, float]:
         """Counters for DeviceStatsMonitor."""
-        hooks = [h for hs in self._eval_hooks.values() for h in hs]
-        hooks += [self._train_hook] if self._train_hook is not None else []
-        seconds = sum(h.compiled.compile_seconds for h in hooks)
-        seconds += sum(h.compile_seconds for h in self._captured.values())
-        functions = len(hooks) + sum(len(h.compiled) for h in self._captured.values())
+        seconds = sum(h.compile_seconds for h in self._captured.values())
+        functions = sum(len(h.compiled) for h in self._captured.values())
         memory = 0
         if self.context is not None:
             memory = sum(v.numel() * v.element_size() for v in self.context.device_values())
@@ -1008,13 +744,6 @@ def _repoint_scheduler(scheduler: Any, old: Any, new: Any) -> None:
         track_step_calls(new)
     for child in getattr(scheduler, "_schedulers", ()):  # SequentialLR, ChainedScheduler
         _repoint_scheduler(child, old, new)
-
-
-def _matches(hook: CompiledHook, inputs: dict[str, torch.Tensor]) -> bool:
-    specs = hook.compiled.input_specs
-    return all(
-        specs[k].shape == tuple(v.shape) and specs[k].dtype == v.dtype for k, v in inputs.items()
-    )
 
 
 def _on_host(plugin: Precision) -> Precision:

@@ -12,7 +12,7 @@ to the host, and keep torch.optim's state_dict layout.
 
 from mncore_device import set_optimizer_converter
 
-from ._base import LiveHyperparameter, MNCoreOptimizer, ParamGroup, live_hyperparameters
+from ._base import MNCoreOptimizer, ParamGroup
 from ._convert import TORCH_EQUIVALENTS, device_optimizer, from_torch, to_mlsdk_optimizer
 from .adam import MNCoreAdam, MNCoreAdamW
 from .sgd import MNCoreSGD
@@ -26,8 +26,6 @@ __all__ = [
     "TRACED_TORCH_OPTIMIZERS",
     "MNCoreTracedOptimizer",
     "TracedParamGroup",
-    "LiveHyperparameter",
-    "live_hyperparameters",
     "device_optimizer",
     "to_mlsdk_optimizer",
     "MNCoreAdam",

@@ -23,10 +23,6 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
-from torch.utils._pytree import tree_leaves, tree_map
-
-from mncore_device import StaticGraphError
-from mncore_device._source import called_from_user_code, user_frame
 
 Coefficients = Callable[[Mapping[str, Any]], dict[str, float]]
 
@@ -58,128 +54,6 @@ def _to_number(value: Any) -> Any:
     if isinstance(value, (tuple, list)):
         return tuple(_to_number(v) for v in value)
     return value
-
-
-class LiveHyperparameter(float):
-    """A hyperparameter read from a param group while a step is traced (`group["lr"]`).
-
-    It is the float it was, so Python code (the optimizer's own checks) computes with it as
-    before. Where the group mirrors it into a tensor (the learning rate), the step follows the
-    live value: a torch op given it (`loss * lr`) computes with that tensor, and Python
-    arithmetic on it (`lr * 10`) gives another LiveHyperparameter that does the same.
-    `reader` gives the value the group holds later, so that `self.log("lr", group["lr"])`
-    logs the current learning rate at every step rather than the trace-time one.
-    """
-
-    reader: Callable[..., float] | None
-    tensor: Tensor | None
-
-    def __new__(
-        cls,
-        value: float,
-        group: ParamGroup | None = None,
-        key: str = "",
-        tensor: Tensor | None = None,
-    ) -> LiveHyperparameter:
-        number = super().__new__(cls, value)
-        number.reader = None
-        number.tensor = tensor
-        if group is not None:
-            number.reader = lambda _counters=None: dict.__getitem__(group, key)
-            if group._values.get(key) == value:  # the tensor holds this very value
-                number.tensor = group.tensors.get(key)
-        return number
-
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
-        """A torch op given a live hyperparameter computes with its tensor, in the dtype a
-        Python float would take there (the op's floating tensors', else the default)."""
-        kwargs = kwargs or {}
-        floating = [
-            t
-            for t in tree_leaves((args, kwargs))
-            if isinstance(t, Tensor) and t.is_floating_point()
-        ]
-        dtype = floating[0].dtype if floating else torch.get_default_dtype()
-
-        def live(value: Any) -> Any:
-            if not isinstance(value, LiveHyperparameter):
-                return value
-            return float(value) if value.tensor is None else value.tensor.to(dtype)
-
-        return func(*tree_map(live, args), **tree_map(live, kwargs))
-
-
-def _live_arithmetic(name: str) -> Callable[..., Any]:
-    def method(self: LiveHyperparameter, *args: Any) -> Any:
-        plain = [float(a) if isinstance(a, LiveHyperparameter) else a for a in args]
-        result = getattr(float, name)(float(self), *plain)
-        if (
-            self.tensor is None
-            or not isinstance(result, float)
-            or any(isinstance(a, Tensor) for a in args)
-        ):
-            return result
-        operands = [
-            (a.tensor if a.tensor is not None else float(a))
-            if isinstance(a, LiveHyperparameter)
-            else a
-            for a in args
-        ]
-        return LiveHyperparameter(result, tensor=getattr(self.tensor, name)(*operands))
-
-    method.__name__ = name
-    return method
-
-
-# Python's arithmetic operators on numbers, by name: each as `__op__` and reflected `__rop__`
-ARITHMETIC = ("add", "sub", "mul", "truediv", "pow")
-
-
-def operator_methods(names: tuple[str, ...]) -> list[str]:
-    """`__op__` and `__rop__` for each name."""
-    return [f"__{r}{name}__" for name in names for r in ("", "r")]
-
-
-for _op in (*operator_methods(ARITHMETIC), "__neg__"):
-    setattr(LiveHyperparameter, _op, _live_arithmetic(_op))
-
-
-def _live_comparison(name: str) -> Callable[..., Any]:
-    def method(self: LiveHyperparameter, other: Any) -> Any:
-        if isinstance(other, Tensor):  # the tensor's comparison, which follows the live value
-            return NotImplemented
-        live = self.reader is not None or self.tensor is not None  # read, or computed from one
-        if live and called_from_user_code():
-            raise StaticGraphError(
-                f"Python code compares a hyperparameter read from a param group ({float(self)} "
-                f"when the step was traced) at {user_frame()}. A compiled step is traced once, "
-                "so the comparison would keep its trace-time result while the schedule moves "
-                "the value. Compute with it instead (torch.where(torch.as_tensor(lr) < x, a, "
-                "b) follows the live value), or compare it in a hook outside the step."
-            )
-        plain = float(other) if isinstance(other, LiveHyperparameter) else other
-        return getattr(float, name)(float(self), plain)
-
-    method.__name__ = name
-    return method
-
-
-for _op in ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__"):
-    setattr(LiveHyperparameter, _op, _live_comparison(_op))
-LiveHyperparameter.__hash__ = float.__hash__  # type: ignore[method-assign]
-
-_tracing = [False]
-
-
-@contextlib.contextmanager
-def live_hyperparameters() -> Iterator[None]:
-    """While a step is traced: hyperparameters read from param groups are LiveHyperparameters."""
-    previous, _tracing[0] = _tracing[0], True
-    try:
-        yield
-    finally:
-        _tracing[0] = previous
 
 
 class ParamGroup(dict[str, Any]):
@@ -214,12 +88,6 @@ class ParamGroup(dict[str, Any]):
                 if tensor is None:
                     tensor = torch.empty((), dtype=dtype, device=device)
                 self.tensors[name] = tensor.fill_(value)
-
-    def __getitem__(self, key: str) -> Any:
-        value = dict.__getitem__(self, key)
-        if _tracing[0] and type(value) is float:
-            return LiveHyperparameter(value, self, key)
-        return value
 
     def __setitem__(self, key: str, value: Any) -> None:
         if key not in HYPERPARAMETER_KEYS:

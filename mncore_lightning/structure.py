@@ -1,12 +1,13 @@
-"""The Python facts a compiled step was traced for, and how to say which one changed.
+"""The module's and optimizers' structure the device state was registered for, and how to
+say what changed.
 
-A step is traced once; what it depends on in Python is recorded here and compared at batch
-boundaries: the module's structure (its parameters and buffers, their names, forward hooks and
-parametrizations), which parameters are trainable and how the optimizers group them, which
-optimizer options the update branched on (a zero weight decay, nesterov), which submodules are
-frozen in another mode than the module (`backbone.eval()`), and the carried tensors
-(carried_state.py). A change makes the strategy trace again, and the reason is reported in
-these words.
+Registration follows the module: its parameters and buffers (their names, identities,
+parametrizations), which are trainable and how the optimizers group them. The update, this
+package's code traced into each training graph, branches on optimizer options (a zero weight
+decay, nesterov) that Dynamo never reads, and a frozen submodule's mode decides which of
+its ops the graph holds. They are compared after each user hook (a callback pruning or
+unfreezing layers); a change re-registers the module and compiles its steps again, and the
+reason is reported in these words.
 """
 
 from __future__ import annotations
@@ -75,17 +76,3 @@ def describe_change(before: dict[str, Any], after: dict[str, Any]) -> str:
         else:
             parts.append(f"{fact}: {old} -> {new}")
     return "; ".join(parts)
-
-
-def carried_change(traced_for: tuple, now: tuple) -> str:
-    """How a module's carried tensors differ from those a step was traced for."""
-    old = {key: spec for key, *spec in traced_for}
-    new = {key: spec for key, *spec in now}
-    parts = [f"{key} appeared" for key in new if key not in old]
-    parts += [f"{key} is no longer a tensor" for key in old if key not in new]
-    parts += [
-        f"{key} changed shape, dtype or structure"
-        for key in new
-        if key in old and old[key] != new[key]
-    ]
-    return "carried tensors changed: " + "; ".join(parts)
