@@ -120,9 +120,7 @@ class CaptureCollector(LossCollector):
         strategy = trainer.strategy
         if hasattr(strategy, "_captured"):
             captured = any(k[0] == "train" for k in strategy._captured)
-            self.train_capture = (
-                "dynamo" if captured and "train" not in strategy._traced else "trace"
-            )
+            self.train_capture = "dynamo" if captured else None
 
 
 def run(name: str, out: Path) -> None:

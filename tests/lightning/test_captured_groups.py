@@ -6,7 +6,7 @@ make_fx path froze), a branch on global_step that flips inside a group, a tensor
 leaves on the module for the next one. Every test compares with accelerator="cpu" (one step
 per batch, same seed and batches) within ATOL = 1e-5: every value `self.log` received, in
 order, the final callback metrics and the final weights; and checks that the steps ran on
-the Dynamo path (no hand-back to the make_fx tracer) with the expected device functions.
+the expected device functions.
 """
 
 from __future__ import annotations
@@ -48,17 +48,15 @@ class LogsEveryCall:
 
 
 class Path(Callback):
-    """Before the strategy's teardown: whether training went back to make_fx, and the device
-    functions compiled for the captured groups."""
+    """Before the strategy's teardown: the device functions compiled for the captured
+    groups."""
 
-    traced: bool | None = None
     functions = 0
 
     def on_train_end(self, trainer, module) -> None:
         strategy = trainer.strategy
         if not isinstance(strategy, MNCoreStrategy):
             return
-        self.traced = "train" in strategy._traced
         hook = strategy._captured.get(GROUP_KEY)
         self.functions = len(hook.compiled) if hook is not None else 0
 
@@ -85,7 +83,6 @@ def _assert_as_on_cpu(model_cls: type, k: int, *, epochs: int, batches: int):
     assert_metrics_close(trainer.callback_metrics, cpu_trainer.callback_metrics)
     assert_state_close(model, cpu_model)
     assert trainer.global_step == cpu_trainer.global_step == epochs * batches
-    assert path.traced is False  # every group ran on the Dynamo capture
     assert trainer.strategy.compiled_calls == epochs * -(-batches // k)
     return trainer, path
 
@@ -174,7 +171,6 @@ def test_a_step_that_cannot_wait_for_the_groups_call_runs_one_by_one_as_on_cpu(
         assert got == pytest.approx(want, abs=ATOL), name
     assert_state_close(model, cpu_model)
     assert trainer.global_step == cpu_trainer.global_step == 8
-    assert path.traced is False
     messages = [
         r.getMessage() for r in caplog.records if "runs as its own device" in r.getMessage()
     ]
@@ -199,7 +195,6 @@ def test_a_list_appended_to_in_every_step_of_a_group_as_on_cpu():
     order, with the values each step computed inside the group's one device call."""
     _, cpu_model, _ = _fit("cpu", GrowsAList, epochs=2, batches=8)
     _, model, path = _fit("mncore", GrowsAList, 4, epochs=2, batches=8)
-    assert path.traced is False
     assert len(model.seen) == len(cpu_model.seen) == 16
     for got, want in zip(model.seen, cpu_model.seen, strict=True):
         assert got.item() == pytest.approx(want.item(), abs=ATOL)

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from lightning.pytorch.demos.lstm import LightningLSTM, SimpleLSTM
 from torch.utils.data import DataLoader, TensorDataset
 
-from mncore_lightning.carried_state import signature
 from tests.lightning.lightning_testing import ATOL, LitClassifier, assert_state_close, fit_once
 
 
@@ -117,12 +116,25 @@ def test_an_unregistered_tensor_updated_in_place_is_carried():
     assert mn[1].total.item() > 0
 
 
-def test_registered_buffers_are_not_carried_as_attributes():
-    from mncore_lightning.carried_state import tensor_attributes
+class RebindsBatchNormStatistics(LitClassifier):
+    """BatchNorm's running statistics are registered device state the graph updates in
+    place; the step also reads them (a penalty on the running mean)."""
 
-    model = LitClassifier(net="bn")
-    assert tensor_attributes(model) == {}  # BatchNorm's buffers are registered device state
-    assert any(True for _ in model.buffers())
+    def __init__(self) -> None:
+        super().__init__(net="bn")
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss + 0.01 * self.net[1].running_mean.abs().sum()
+
+
+def test_registered_buffers_read_by_the_step_are_device_state_as_on_cpu():
+    cpu, mn = _both(model_cls=RebindsBatchNormStatistics, max_epochs=2)
+    _assert_same_run(cpu, mn)
+    (_, cpu_model, _), (_, mn_model, _) = cpu, mn
+    torch.testing.assert_close(
+        mn_model.net[1].running_mean, cpu_model.net[1].running_mean, atol=ATOL, rtol=0
+    )
 
 
 class RunningStats(LitClassifier):
@@ -226,7 +238,14 @@ class _TableDataModule(L.LightningDataModule):
         self.table = torch.randn(1000, 4)
 
 
-def test_only_plain_objects_of_the_users_classes_are_carried():
-    carried = {key for key, *_ in signature(HoldsLibraryObjects())}
-    assert {"carry/totals.total", "carry/namespace.count"} <= carried
-    assert not any("datamodule_ref" in key or "dataset_ref" in key for key in carried)
+def test_library_objects_the_module_holds_are_left_alone_as_on_cpu():
+    """A LightningDataModule and a Dataset the module holds (their tensors are data the step
+    never reads) are not device state: training matches cpu and leaves them as they were."""
+    cpu, mn = _both(model_cls=HoldsLibraryObjects, max_epochs=2)
+    _assert_same_run(cpu, mn)
+    (_, cpu_model, _), (_, mn_model, _) = cpu, mn
+    torch.testing.assert_close(mn_model.datamodule_ref.table, cpu_model.datamodule_ref.table)
+    torch.testing.assert_close(
+        mn_model.dataset_ref.tensors[0], cpu_model.dataset_ref.tensors[0], atol=0, rtol=0
+    )
+    torch.testing.assert_close(mn_model.totals.total, cpu_model.totals.total, atol=ATOL, rtol=0)

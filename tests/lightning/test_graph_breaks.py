@@ -7,7 +7,7 @@ after the step runs through them in reverse; the update is one more device call
 (mncore_device.capture.autograd_graphs, captured_hooks.CapturedHook._split_update). Each test
 fits a tiny model with accelerator="cpu" and "mncore" (preset O0, same seed, same batches)
 and compares every loss, every logged value, the final metrics and the weights and buffers
-within ATOL = 1e-5, and checks that the step did not go back to the make_fx tracer.
+within ATOL = 1e-5.
 """
 
 from __future__ import annotations
@@ -29,24 +29,21 @@ from tests.lightning.test_dynamo_capture import Run, _assert_same, _counting, _f
 
 class TrainHook(Callback):
     """At the end of training (before the strategy's teardown forgets them): the captured
-    training step, and whether it went back to the make_fx tracer."""
+    training step."""
 
     def __init__(self) -> None:
         self.hook: Any = None
-        self.traced = True
 
     def on_train_end(self, trainer, module) -> None:
         strategy = trainer.strategy
-        self.traced = "train" in getattr(strategy, "_traced", {"train"})
         captured = getattr(strategy, "_captured", {})
         hooks = [hook for key, hook in captured.items() if key[0] == "train"]
         self.hook = hooks[-1] if hooks else None
 
 
 def _train_hook(run: Run) -> Any:
-    """The captured training step of an mncore run, which never went to the tracer."""
+    """The captured training step of an mncore run."""
     [keeper] = [c for c in run.trainer.callbacks if isinstance(c, TrainHook)]
-    assert not keeper.traced  # the step never went to the make_fx tracer
     assert keeper.hook is not None
     return keeper.hook
 
@@ -108,7 +105,6 @@ def test_print_numpy_draw_and_tensorboard_in_training_step_as_on_cpu(tmp_path, c
     # each graph a forward and at most one backward call, and the update
     graphs = hook.frontend.device_calls
     assert graphs + 1 < hook.device_calls_per_step <= 2 * graphs + 1
-    assert not any("traced with make_fx" in r.getMessage() for r in caplog.records)
 
 
 class BatchNormWithBreak(LitClassifier):
@@ -202,8 +198,8 @@ class DataDependentBranch(LitClassifier):
 
 
 def test_data_dependent_branch_in_training_step_as_on_cpu():
-    """The make_fx tracer refuses this branch (test_errors.py); Dynamo splits the step at
-    it and the host decides it at every step, as on cpu."""
+    """Dynamo splits the step at the branch and the host decides it at every step, as on
+    cpu."""
     cpu = _fit("cpu", DataDependentBranch, epochs=3)
     mn = _fit("mncore", DataDependentBranch, epochs=3, callbacks=[TrainHook()])
     _assert_same(cpu, mn)
@@ -246,7 +242,6 @@ def test_host_code_under_16_mixed_scales_skips_and_backs_off_as_on_cpu(init_scal
     if init_scale > 2.0**30:
         assert scales[1] < init_scale  # steps overflowed, were skipped, and the scale backed off
     assert _train_hook(mn).device_calls_per_step > 1  # the forward split at the print
-    assert not any("traced with make_fx" in r.getMessage() for r in caplog.records)
 
 
 def test_host_code_under_bf16_mixed_as_on_cpu():
