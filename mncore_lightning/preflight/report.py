@@ -37,13 +37,14 @@ class GuardedValue:
 
 @dataclass
 class Memory:
-    """Device memory in bytes; `peak_bytes` = resident state + batch + activation peak (the
-    larger of the estimated and the measured one)."""
+    """Device memory in bytes; `peak_bytes` = resident state + the call's inputs + its
+    activation peak (the larger of the estimated and the measured one), for the device call
+    of a step that needs the most."""
 
     parameter_bytes: int
     buffer_bytes: int
     optimizer_state_bytes: int
-    input_bytes: int  # the batch and counters of one call
+    input_bytes: int  # the inputs of one call: the batch and the numbers it is fed
     activation_peak_bytes: int  # estimated: liveness walk over the graph's shapes
     peak_bytes: int
     measured_activation_peak_bytes: int | None = None  # the emulator running the graph
@@ -236,7 +237,7 @@ class PreflightReport:
             row("parameters", lambda h: _size(h.memory.parameter_bytes)),
             row("optimizer state", lambda h: _size(h.memory.optimizer_state_bytes)),
             row("buffers", lambda h: _size(h.memory.buffer_bytes)),
-            row("batch + counters", lambda h: _size(h.memory.input_bytes)),
+            row("call inputs", lambda h: _size(h.memory.input_bytes)),
             row("activation peak (estimated)", lambda h: _size(h.memory.activation_peak_bytes)),
             row(
                 "activation peak (measured)",
