@@ -149,7 +149,7 @@ class _RecordingStrategy(MNCoreStrategy):
 
     def _use_tracer(self, key: Any, signal: Any) -> None:
         """A hook the Dynamo capture cannot run is refused here (not traced otherwise)."""
-        raise StaticGraphError(f"the TorchDynamo capture cannot run {signal.reason}")
+        raise StaticGraphError(f"not one device call on the TorchDynamo capture: {signal.reason}")
 
     def _retrace(self, what: str, reason: str) -> None:
         self._record.retraces.append((_stage_name(self._stage()), what, reason))
@@ -610,16 +610,16 @@ def _optimizer_hyperparameters(constants: list[dict], optimizers: list[Any]) -> 
 
 
 def _replayed(first: _FirstCall, captured: list[tuple[Any, Any]]) -> list[str]:
-    """What the host runs after the device calls: the `self.log` calls, a manual step's
-    scheduler steps (their markers in the graphs), the module's lists appended to."""
-    found = [f"self.log({name!r})" for name in first.logged]
+    """What the host runs after each call, in its order: the appends to the module's lists
+    (Dynamo's side effects), a manual step's scheduler steps (their markers in the graphs),
+    the `self.log` calls."""
+    found = [f"{path}.append(...)" for path in first.appended]
     for graph, _ in captured:
         for node in graph.graph_module.graph.nodes:
             name = getattr(node.target, "__name__", "") if node.op == "call_function" else ""
             if name.endswith(_SCHEDULER_STEP):
                 found.append("lr_scheduler.step()")
-    found += [f"{path}.append(...)" for path in first.appended]
-    return found
+    return found + [f"self.log({name!r})" for name in first.logged]
 
 
 def _retrace_text(reason: str, named: Mapping[str, str]) -> str:

@@ -9,7 +9,8 @@ of the user's classes (`MyModule.FACTOR`), a closure cell of the user's function
 `self.optimizers().param_groups[0]['lr']`). Everything else is the framework's plumbing and
 gets no name (None): the capture's own closures, Lightning's and torch's globals and class
 attributes, private attributes that the user's classes do not assign (`self._fabric`),
-dict-key order, function defaults, tensor sizes.
+Lightning's loop progress besides `global_step` and `current_epoch`, dict-key order, function
+defaults, tensor sizes.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ _OPTIMIZER = re.compile(
 )
 _SCHEDULER = re.compile(r"^self\.trainer\.strategy\.lr_scheduler_configs\[(\d+)\]\.scheduler")
 _PRIVATE = re.compile(r"\.(_\w+)")
+_PROGRESS = re.compile(r"^self\.trainer\.fit_loop\..*_progress\.")
 
 
 @dataclass
@@ -98,6 +100,8 @@ class Namer:
             name = pattern.sub(replacement, name)
         name = _OPTIMIZER.sub(lambda m: _indexed("self.optimizers()", m, self.optimizers), name)
         name = _SCHEDULER.sub(lambda m: _indexed("self.lr_schedulers()", m, self.schedulers), name)
+        if _PROGRESS.match(name):  # Lightning's loop bookkeeping, besides its counters
+            return None
         for match in _PRIVATE.finditer(name):
             if not name.startswith("self.") or name[5 : match.end()] not in self._assigned:
                 return None  # the framework's own attribute

@@ -257,6 +257,53 @@ def test_a_print_is_a_graph_break_at_its_line_with_the_runs_device_calls(caplog)
     assert f"| device calls per step | {int(said)} |" in report.to_markdown()
 
 
+class ManualPrinting(LitClassifier):
+    """Manual optimization with host code: one device call per step cannot hold it."""
+
+    def __init__(self) -> None:
+        super().__init__(scheduler="step")
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt, sch = self.optimizers(), self.lr_schedulers()
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        print("loss", loss)  # host code inside a manual step
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        sch.step()
+
+
+def test_a_step_the_capture_refuses_does_not_compile_at_its_line() -> None:
+    report = run_preflight(ManualPrinting(), {"train": loader()})
+    train = _hook(report, "training_step")
+    assert not train.compiles and train.memory is None and train.device_calls_per_step is None
+    (brk,) = train.graph_breaks
+    assert brk.line.endswith(_line_of(ManualPrinting, "print(")) and "host code" in brk.reason
+    assert train.error is None  # a refusal of the capture, not an error of the step
+    text = report.to_markdown()
+    assert "| compiles | **no: graph break** |" in text
+    assert f"- **training_step does not compile** at {brk.line}: " in text
+
+
+def test_a_manual_steps_scheduler_step_is_replayed_on_the_host() -> None:
+    class Manual(ManualPrinting):
+        def training_step(self, batch, batch_idx):
+            opt, sch = self.optimizers(), self.lr_schedulers()
+            x, y = batch
+            loss = F.cross_entropy(self(x), y)
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+            sch.step()
+            self.log("loss", loss)
+
+    train = _hook(run_preflight(Manual(), {"train": loader()}), "training_step")
+    assert train.compiles and train.device_calls_per_step == 1
+    assert train.replayed == ["lr_scheduler.step()", "self.log('loss')"]
+
+
 # --- guarded values, live inputs and re-compiles ------------------------------------------------
 
 SCALES = {"train": 2.0}  # a module-level dict the step reads
@@ -652,6 +699,7 @@ def test_predict_and_several_steps_per_call() -> None:
     )
     train, predict = report.hooks
     assert train.device_calls_per_step == 0.5 and train.compiles
+    assert train.replayed == ["self.log('train_loss')"]  # each step's, after the group's call
     # a call of two steps takes the two batches: the graph's inputs are both
     assert train.batch_shapes["batch[0][0]"] == [[16, IN_FEATURES], "float32"]
     assert train.batch_shapes["batch[1][0]"] == [[16, IN_FEATURES], "float32"]
