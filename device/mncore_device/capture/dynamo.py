@@ -17,8 +17,9 @@ update, say); the frontend maps Dynamo's arguments to that function's inputs at 
 What the frontend reports: each re-compile with Dynamo's reason (the guard that failed,
 with the user's line), through `on_retrace`; each graph break with its reason and user line
 (`breaks`); each graph's guards, with the values guarded, and its inputs' sources (`sources`,
-for reports such as the preflight's). Re-compiles are bounded by `max_retraces`, after which a `StaticGraphError`
-names the guard that keeps failing. `fullgraph=True` makes a graph break an error.
+for reports such as the preflight's). Re-compiles are bounded by `max_retraces`, after which
+a `StaticGraphError` names the guard that keeps failing. `fullgraph=True` makes a graph break
+an error.
 """
 
 from __future__ import annotations
