@@ -226,6 +226,11 @@ class CapturedHook:
         self.strategy._retrace(self.hook_name, reason)
 
     @property
+    def logged(self) -> list[str]:
+        """The names the last call passed to `self.log` / `self.log_dict`, in call order."""
+        return [name for name, *_ in self._logs.calls]
+
+    @property
     def compile_seconds(self) -> float:
         return sum(c.compile_seconds for c in self.compiled)
 

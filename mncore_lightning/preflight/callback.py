@@ -22,13 +22,14 @@ class PreflightError(MisconfigurationException):
 
 class MNCorePreflight(Callback):
     """Report, at `setup`, on what the run's compiled steps will be: one batch of each stage
-    compiled on the emulator (pfvm:cpu) at `presets`, on copies of the module and optimizer.
-    Works whatever the Trainer's accelerator ("mncore" or "cpu").
+    captured by TorchDynamo and compiled on the emulator (pfvm:cpu) at `presets`, on copies of
+    the module and optimizer. Works whatever the Trainer's accelerator ("mncore" or "cpu").
 
     Args:
-        fail_on: stop the run (PreflightError) on "graph_break" (a hook that does not
-            compile), "retrace" (a re-trace seen, or a guarded value a method assigns),
-            "memory" (the peak estimate over `board_memory_bytes`).
+        fail_on: stop the run (PreflightError) on "graph_break" (host code between device
+            calls, a step the capture refuses, or one that fails), "retrace" (a re-compile
+            seen, or a guarded value a method assigns), "memory" (the peak over
+            `board_memory_bytes`).
         presets: trace + compile time is measured at each (O0 is fast; O1+ run Inductor).
         json_path: also write the report as JSON there.
         board_memory_bytes: the board's memory, to compare the peak with.

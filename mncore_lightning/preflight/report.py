@@ -1,9 +1,8 @@
 """The preflight report: plain data, independent of how the step was captured, rendered as
 Markdown (a rich table on a terminal) and as JSON.
 
-`HookReport` is filled from what the capture recorded for one compiled hook (run.py does it
-from today's make_fx capture); a capture that splits a step into several device calls (graph
-breaks) fills `device_calls` and `graph_breaks` differently and nothing here changes.
+`HookReport` is filled from what the TorchDynamo capture recorded for one hook (run.py):
+its graphs, guards, graph breaks and re-compiles, and the device functions it compiled.
 The JSON schema is `PreflightReport.to_json()`'s, documented in docs/preflight.md.
 """
 
@@ -20,7 +19,8 @@ SCHEMA_VERSION = 1
 
 @dataclass
 class GraphBreak:
-    """Where a step stops being one device call: the user's line and the reason."""
+    """Where a step stops being one graph (host code between device calls), or why the
+    capture refused it: the user's line and the reason."""
 
     line: str | None
     reason: str
@@ -28,7 +28,7 @@ class GraphBreak:
 
 @dataclass
 class GuardedValue:
-    """A Python value the compiled step was traced for: changing it re-traces the step."""
+    """A Python value Dynamo guards the captured step on: changing it re-compiles the step."""
 
     name: str
     value: Any
@@ -37,13 +37,14 @@ class GuardedValue:
 
 @dataclass
 class Memory:
-    """Device memory in bytes; `peak_bytes` = resident state + batch + activation peak (the
-    larger of the estimated and the measured one)."""
+    """Device memory in bytes; `peak_bytes` = resident state + the call's inputs + its
+    activation peak (the larger of the estimated and the measured one), for the device call
+    of a step that needs the most."""
 
     parameter_bytes: int
     buffer_bytes: int
     optimizer_state_bytes: int
-    input_bytes: int  # the batch and counters of one call
+    input_bytes: int  # the inputs of one call: the batch and the numbers it is fed
     activation_peak_bytes: int  # estimated: liveness walk over the graph's shapes
     peak_bytes: int
     measured_activation_peak_bytes: int | None = None  # the emulator running the graph
@@ -61,9 +62,11 @@ class HookReport:
     stage: str  # train, validate, test, predict
     hook: str
     compiles: bool
-    device_calls_per_step: float | None = None  # 1.0; 1/K with steps_per_call=K
+    # 1.0; 1/K with steps_per_call=K; more with host code in a training step (its graphs'
+    # forward and backward calls and the update), an evaluation step's graphs
+    device_calls_per_step: float | None = None
     graph_breaks: list[GraphBreak] = field(default_factory=list)
-    graphs: int = 0  # graphs compiled in the preflight (a ragged last batch adds one)
+    graphs: int = 0  # Dynamo graphs captured in the preflight (a re-compile adds one)
     batch_shapes: dict[str, list] = field(default_factory=dict)  # "batch[0]": [shape, dtype]
     guarded: list[GuardedValue] = field(default_factory=list)
     live_inputs: list[str] = field(default_factory=list)
@@ -72,7 +75,7 @@ class HookReport:
     op_counts: dict[str, int] = field(default_factory=dict)
     memory: Memory | None = None
     seconds: dict[str, float] = field(default_factory=dict)  # trace + compile, by preset
-    retraces: list[str] = field(default_factory=list)  # observed in the preflight
+    retraces: list[str] = field(default_factory=list)  # re-compiles seen, with the reason
     error: GraphBreak | None = None  # the run failed otherwise (not a refusal of the capture)
 
 
@@ -105,14 +108,14 @@ class PreflightReport:
         return [(h, b) for h in self.hooks for b in h.graph_breaks]
 
     def retrace_risks(self) -> list[str]:
-        """Re-traces observed, and guarded values a method of the module writes."""
-        found = [f"{h.hook}: re-traced: {r}" for h in self.hooks for r in h.retraces]
+        """Re-compiles observed, and guarded values a method of the module writes."""
+        found = [f"re-compiled {r}" for h in self.hooks for r in h.retraces]
         for h in self.hooks:
             for g in h.guarded:
                 if g.written_by:
                     found.append(
-                        f"{h.hook} is traced for {g.name}={g.value!r}, which "
-                        f"{', '.join(g.written_by)} assigns: each change re-traces it"
+                        f"{h.hook} is guarded on {g.name}={g.value!r}, which "
+                        f"{', '.join(g.written_by)} assigns: each change re-compiles it"
                     )
         return found
 
@@ -162,11 +165,17 @@ class PreflightReport:
         lines += ["", *_table(["hook", *(h.hook for h in self.hooks)], self._rows()), ""]
         for hook in self.hooks:
             for b in hook.graph_breaks:
-                lines.append(f"- **{hook.hook} does not compile** at {b.line}: {b.reason}")
+                if hook.compiles:
+                    lines.append(
+                        f"- {hook.hook}: graph break at {b.line}: {b.reason} (host code between "
+                        "device calls)"
+                    )
+                else:
+                    lines.append(f"- **{hook.hook} does not compile** at {b.line}: {b.reason}")
             if hook.error is not None:
                 lines.append(f"- **{hook.hook} failed** at {hook.error.line}: {hook.error.reason}")
         for risk in self.retrace_risks():
-            lines.append(f"- re-trace: {risk}")
+            lines.append(f"- {risk}")
         if self.data:
             lines += ["", "## Data", ""]
             rows = [
@@ -212,7 +221,7 @@ class PreflightReport:
                 ),
             ),
             row("device calls per step", lambda h: f"{h.device_calls_per_step:g}"),
-            row("graphs compiled", lambda h: str(h.graphs)),
+            row("graphs captured", lambda h: str(h.graphs)),
             row(
                 "batch",
                 lambda h: "; ".join(f"{k} {v[0]} {v[1]}" for k, v in h.batch_shapes.items()),
@@ -228,14 +237,14 @@ class PreflightReport:
             row("parameters", lambda h: _size(h.memory.parameter_bytes)),
             row("optimizer state", lambda h: _size(h.memory.optimizer_state_bytes)),
             row("buffers", lambda h: _size(h.memory.buffer_bytes)),
-            row("batch + counters", lambda h: _size(h.memory.input_bytes)),
+            row("call inputs", lambda h: _size(h.memory.input_bytes)),
             row("activation peak (estimated)", lambda h: _size(h.memory.activation_peak_bytes)),
             row(
                 "activation peak (measured)",
                 lambda h: _size(h.memory.measured_activation_peak_bytes),
             ),
             row("device memory peak", lambda h: _peak(h.memory)),
-            row("re-traced in preflight", lambda h: str(len(h.retraces))),
+            row("re-compiled in preflight", lambda h: str(len(h.retraces))),
         ]
         for preset in presets:
             rows.append(

@@ -1,25 +1,24 @@
-"""Run a LightningModule's compiled hooks once per stage on the emulator, on copies, and fill
-the report from what the capture recorded.
+"""Run a LightningModule's hooks once per stage on the emulator, on copies, through the
+strategy's TorchDynamo capture, and fill the report from what it captured.
 
-A private Trainer trains one batch for two epochs (so that epoch hooks that change what the
-step was traced for show up as re-traces), validates, tests and predicts one batch, at each
-preset asked for, with an `MNCoreStrategy` on `pfvm:cpu` that keeps every compiled hook, its
-graph (its codegen directory) and its trace + compile time. The user's module, optimizer,
-data and random state are left as they were.
+A private Trainer trains one batch for two epochs (so that epoch hooks that change what a step
+was captured for show up as re-compiles), validates, tests and predicts one batch, at each
+preset asked for, with an `MNCoreStrategy` on `pfvm:cpu` and its default capture. It keeps
+each captured hook (`CapturedHook`: its Dynamo graphs with their typed inputs and guards, its
+graph breaks and re-compiles, its `self.log` calls, the device functions it compiled and their
+codegen directories) and the time of its first call. The user's module, optimizer, data and
+random state are left as they were.
 """
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import copy
-import inspect
 import logging
 import random
 import re
 import shutil
 import tempfile
-import textwrap
 import time
 import traceback
 import warnings
@@ -32,17 +31,21 @@ import lightning as L
 import numpy as np
 import torch
 from lightning.pytorch import LightningModule
+from torch._dynamo.source import ConstDictKeySource
+from torch.utils._pytree import keystr, tree_flatten_with_path
 from torch.utils.data import DataLoader
 
 from mncore_device import Context, StaticGraphError, artifacts
-from mncore_device._source import user_frame_summary
+from mncore_device._source import frames_of, user_frame_summary
+from mncore_device.capture import InputKind
 
-from ..compiled_hooks import BATCH_PREFIX, CompiledHook, _HostCall, _leaf_names, _LogCall
-from ..side_effects import _MetricCall
-from ..step_counters import COUNTER_PREFIX
+from ..captured_groups import CapturedStepGroup
+from ..captured_hooks import CapturedHook
+from ..data import StepGroup
 from ..strategy import MNCoreStrategy
 from . import graph as graphs
 from .report import DataReport, GraphBreak, GuardedValue, HookReport, Memory, PreflightReport
+from .sources import Namer, assigned_attributes, plain
 
 # MN-Core 2's board memory: no public figure was found (docs/preflight.md says where we
 # looked); pass it with board_memory_bytes= / --board-memory-gib.
@@ -58,57 +61,98 @@ STAGE_HOOKS = {
     "test": "test_step",
     "predict": "predict_step",
 }
-_LINE = re.compile(r"\bat ([^\s,;()]+\.py:\d+)")
+_LINE = re.compile(r"([^\s(\[]+\.py:\d+)")
+_SCHEDULER_STEP = (
+    "scheduler_step"  # the marker a manual step's `sch.step()` leaves (captured_manual)
+)
 
 
 @dataclass
-class _Compiled:
+class _FirstCall:
+    """What one captured hook did at its first call in the preflight."""
+
     stage: str
-    hook_name: str
-    hook: CompiledHook
-    codegen_dir: Path
-    seconds: float
+    hook: CapturedHook
+    seconds: float  # capture, trace and compile of its device graphs, and the call
+    functions: list[Any]  # the device functions it compiled
+    graphs: int  # the Dynamo graphs it captured
+    logged: list[str]  # its `self.log` calls, by name
+    batch_shapes: dict[str, list]
+    appended: list[str]  # the module's lists it appended to
+    codegen_root: Path  # where its device functions' codegen directories are
     trainer: L.Trainer
 
 
 @dataclass
 class _Record:
-    compiled: list[_Compiled] = field(default_factory=list)
-    # stage -> (hook, error): the capture refused the step (a graph break), or it failed
+    calls: list[_FirstCall] = field(default_factory=list)
+    # stage -> (hook, error): the capture refused the step, or it failed
     refused: dict[str, tuple[str, BaseException]] = field(default_factory=dict)
-    retraces: list[tuple[str, str]] = field(default_factory=list)  # (stage, reason)
+    retraces: list[tuple[str, str, str]] = field(default_factory=list)  # (stage, what, reason)
 
 
 class _RecordingStrategy(MNCoreStrategy):
-    """MNCoreStrategy that keeps what it compiled, each into a codegen directory of its own."""
+    """MNCoreStrategy that keeps the first call of each hook it captured, its device
+    functions' codegen directories under `workdir`."""
 
     def __init__(self, record: _Record, workdir: Path, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        # The report reads what the make_fx tracer compiled (its graphs, refusals and
-        # re-traces); the steps that TorchDynamo captures (captured_hooks.py) are not
-        # reported yet, so the preflight traces every step with make_fx.
-        self.capture = "trace"
+        super().__init__(codegen_dir=workdir, **kwargs)
+        self.capture = "dynamo"  # the default capture, whatever $MNCORE_CAPTURE says
         self._record = record
-        self._workdir = workdir
 
-    def _compile(self, hook_name: str, batch: Any, rest: tuple, label: str | None = None, **kw):
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._recorded("training_step", super().training_step, args, kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._recorded("validation_step", super().validation_step, args, kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._recorded("test_step", super().test_step, args, kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._recorded("predict_step", super().predict_step, args, kwargs)
+
+    def _recorded(self, hook_name: str, step: Any, args: tuple, kwargs: dict) -> Any:
         stage = _stage_name(self._stage())
-        base = self._workdir / f"{len(self._record.compiled):03d}"
-        self.codegen_dir = base
+        known = list(self._captured.values())
+        module = self.lightning_module
+        lengths = _list_lengths(module)
         start = time.perf_counter()
         try:
-            hook, inputs = super()._compile(hook_name, batch, rest, label, **kw)
+            result = step(*args, **kwargs)
         except Exception as error:
             self._record.refused.setdefault(stage, (hook_name, error))
             raise
         seconds = time.perf_counter() - start
-        directory = next(p.parent for p in base.rglob("specs.json"))
-        trainer = self.lightning_module.trainer
-        self._record.compiled.append(_Compiled(stage, hook_name, hook, directory, seconds, trainer))
-        return hook, inputs
+        for hook in self._captured.values():
+            if any(hook is k for k in known):
+                continue
+            logged = hook.logged
+            if not logged and isinstance(hook, CapturedStepGroup):  # it replayed them already
+                results = module.trainer._results or {}
+                logged = [k.split(".", 1)[1] for k in results if k.startswith(f"{hook_name}.")]
+            self._record.calls.append(
+                _FirstCall(
+                    stage,
+                    hook,
+                    seconds,
+                    list(hook.compiled),
+                    len(hook.frontend.graphs),
+                    logged,
+                    _batch_shapes(args[0]),
+                    _appended(module, lengths),
+                    self.codegen_dir,
+                    module.trainer,
+                )
+            )
+        return result
+
+    def _use_tracer(self, key: Any, signal: Any) -> None:
+        """A hook the Dynamo capture cannot run is refused here (not traced otherwise)."""
+        raise StaticGraphError(f"not one device call on the TorchDynamo capture: {signal.reason}")
 
     def _retrace(self, what: str, reason: str) -> None:
-        self._record.retraces.append((_stage_name(self._stage()), f"{what}: {reason}"))
+        self._record.retraces.append((_stage_name(self._stage()), what, reason))
         super()._retrace(what, reason)
 
 
@@ -141,10 +185,13 @@ def _kept_random_state() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _quiet_lightning() -> Iterator[None]:
-    loggers = [logging.getLogger(n) for n in ("lightning.pytorch", "lightning.fabric")]
+    """Lightning's messages, and FakeTensor's traceback of an op that fails (the report
+    names the error and the user's line)."""
+    names = ("lightning.pytorch", "lightning.fabric", "torch._subclasses.fake_tensor")
+    loggers = [logging.getLogger(n) for n in names]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
-        lg.setLevel(logging.ERROR)
+        lg.setLevel(logging.CRITICAL if lg.name.startswith("torch") else logging.ERROR)
     try:
         yield
     finally:
@@ -221,11 +268,14 @@ def _run(
     recording strategy; a stage whose step fails is recorded and the next one runs."""
     record = _Record()
     copied = copy_module(module)
+    trainers = 0
 
     def trainer() -> L.Trainer:
+        nonlocal trainers
+        trainers += 1
         strategy = _RecordingStrategy(
             record,
-            workdir,
+            workdir / f"run_{trainers}",  # each strategy numbers its codegen folders anew
             device="pfvm:cpu",
             preset=preset,
             max_retraces=1000,
@@ -255,14 +305,14 @@ def _run(
         "predict": lambda: trainer().predict(copied, get("predict")),
     }
     for stage in stages:
-        if any(c.stage == stage for c in record.compiled) or stage in record.refused:
+        if any(c.stage == stage for c in record.calls) or stage in record.refused:
             continue  # validation ran within fit
         try:
             runs[stage]()
         except Exception as error:  # noqa: BLE001 - a refused step is what the report shows
             seen = [e for _, e in record.refused.values()]
             if not any(error is e or error.__context__ is e for e in seen):
-                # not from a compile (the strategy recorded those, by their stage)
+                # not from a step (the strategy recorded those, by their stage)
                 record.refused.setdefault(stage, (STAGE_HOOKS[stage], error))
     return record, copied
 
@@ -275,98 +325,181 @@ def _hook_report(
     board_memory_bytes: int | None,
     measure: bool,
 ) -> HookReport | None:
+    """One stage's hook, from its first call (memory, ops, batch, what it logged) and from
+    all its captured graphs in the preflight (guards, inputs, graph breaks, re-compiles)."""
     hook_name = STAGE_HOOKS[stage]
-    compiled = [c for c in record.compiled if c.stage == stage]
-    breaks, error = _failure(record.refused.get(stage, (None, None))[1])
-    if stage in record.refused and not compiled:
-        name = record.refused[stage][0]
-        return HookReport(stage, name, compiles=False, graph_breaks=breaks, error=error)
-    if not compiled:
-        return None
-    first = compiled[0]
-    hook, trainer = first.hook, first.trainer
-    traced, specs = artifacts.load(first.codegen_dir)
-    gm = traced.graph_module
-    placeholders = graphs.placeholder_specs(specs)
-    graphs.propagate_shapes(gm, placeholders)
-    activations = graphs.activation_peak(gm)
-    measured = None
-    if measure:
-        args = [_sample(shape, dtype) for shape, dtype in placeholders]
-        measured = graphs.measured_peak(gm, args)
-    inputs = specs["inputs"]
-    input_bytes = sum(
-        int(np.prod(e["shape"], dtype=np.int64)) * getattr(torch, e["dtype"]).itemsize
-        for e in inputs.values()
+    calls = [c for c in record.calls if c.stage == stage]
+    refusal = record.refused.get(stage)
+    refused, error = _failure(refusal[1] if refusal else None)
+    if not calls:
+        if refusal is None:
+            return None
+        return HookReport(stage, refusal[0], compiles=False, graph_breaks=refused, error=error)
+    first = calls[0]
+    hooks = [c.hook for c in calls]
+    trainer = first.trainer
+    namer = Namer(
+        module,
+        hook_name,
+        optimizers=max(len(trainer.optimizers), 1),
+        schedulers=max(len(trainer.lr_scheduler_configs), 1),
+        keys=_dict_keys(hooks),
     )
-    params = sum(_bytes(p) for p in module.parameters())
-    buffers = sum(_bytes(b) for b in module.buffers())
-    optimizer_state = sum(
-        _bytes(t)
-        for opt in trainer.optimizers
-        for state in opt.state.values()
-        for t in state.values()
-        if isinstance(t, torch.Tensor)
-    )
-    # the larger of the two: a storage the shapes cannot see (mse_loss's) is counted
-    activation_peak = max(activations.peak_bytes, measured or 0)
-    peak = params + buffers + optimizer_state + input_bytes + activation_peak
-    memory = Memory(
-        params,
-        buffers,
-        optimizer_state,
-        input_bytes,
-        activations.peak_bytes,
-        peak,
-        measured,
-        board_memory_bytes,
-    )
-    names = _leaf_names(hook.layout.spec)
-    batch_shapes = {
-        f"batch{names[int(k.removeprefix(BATCH_PREFIX))]}": [v["shape"], v["dtype"]]
-        for k, v in inputs.items()
-        if k.startswith(BATCH_PREFIX)
-    }
+    captured = [
+        (graph, sources)
+        for hook in hooks
+        for graph, sources in zip(hook.frontend.graphs, hook.frontend.sources, strict=True)
+    ]
+    # one per line: Dynamo may log a break twice as it restarts (a data-dependent guard,
+    # then the branch on it); the last reason is the one it acted on
+    by_line: dict[str | None, GraphBreak] = {}
+    for hook in hooks:
+        for found in hook.frontend.breaks:
+            line = _where_line(found.where)
+            by_line[line] = GraphBreak(line, found.reason)
+    for found in refused:  # a refusal of what Dynamo saw is reported at its line once
+        by_line.setdefault(found.line, found)
+    breaks = list(by_line.values())
+    memory, ops, constants = _memory_and_ops(first, module, board_memory_bytes, measure)
     seconds = {}
     for preset, (other, *_rest) in runs.items():
-        same = [c for c in other.compiled if c.stage == stage]
+        same = [c for c in other.calls if c.stage == stage]
         if same:
             seconds[preset] = round(same[0].seconds, 3)
+    named: dict[str, str] = {}  # Dynamo's name of a source (as in its reasons) -> the user's
+    guarded = _guarded(hooks, namer, module, named)
+    live = _inputs(captured, namer, InputKind.NUMBER, named=named)
+    live += _optimizer_hyperparameters(constants, first.trainer.optimizers)
+    first_graphs = captured[: first.graphs]
     return HookReport(
         stage,
         hook_name,
-        compiles=not breaks and error is None,  # every batch of the preflight compiled
-        device_calls_per_step=1.0 / trainer.strategy.steps_per_call if stage == "train" else 1.0,
-        graphs=len(compiled),
-        batch_shapes=batch_shapes,
-        guarded=_guarded(hook, module),
-        live_inputs=_live_inputs(hook, specs, trainer),
-        carried=sorted("self." + k.removeprefix("carry/") for k in hook.carried.slots),
-        replayed=_replayed(hook),
-        op_counts=graphs.op_counts(gm),
+        compiles=refusal is None,  # every call of the preflight ran on the device
+        device_calls_per_step=_device_calls(first, stage),
+        graphs=len(captured),
+        batch_shapes=first.batch_shapes,
+        guarded=guarded,
+        live_inputs=live,
+        carried=_inputs(first_graphs, namer, InputKind.TENSOR, self_only=True),
+        replayed=_replayed(first, first_graphs),
+        op_counts=ops,
         memory=memory,
         seconds=seconds,
-        retraces=[reason for s, reason in record.retraces if s == stage],
-        error=error,  # a later batch failed (a re-trace the capture refused, say)
+        retraces=[
+            f"{what}: {_retrace_text(reason, named)}"
+            for s, what, reason in record.retraces
+            if s == stage
+        ],
+        error=error,  # a later call failed (a re-compile the capture refused, say)
         graph_breaks=breaks,
     )
 
 
+def _device_calls(first: _FirstCall, stage: str) -> float:
+    """Device calls per step: a training step's (1/K for a group of K steps; more with host
+    code, as the hook measured), an evaluation step's graphs."""
+    hook = first.hook
+    if stage != "train":
+        return float(first.graphs)
+    if isinstance(hook, CapturedStepGroup):
+        return 1.0 / first.trainer.strategy.steps_per_call
+    return float(hook.device_calls_per_step or 1)
+
+
+def _memory_and_ops(
+    first: _FirstCall, module: LightningModule, board_memory_bytes: int | None, measure: bool
+) -> tuple[Memory | None, dict[str, int], list[dict]]:
+    """Memory and op counts of the hook's first call, from its device functions' graphs (as
+    their codegen directories hold them): the ops of all of them; the memory of the call that
+    needs the most (resident state + its inputs + its activation peak); the captured 0-d
+    constants they read (optimizer hyperparameters)."""
+    if not first.functions:
+        return None, {}, []
+    ops: dict[str, int] = dict.fromkeys(graphs.OP_KINDS, 0)
+    calls = []  # (need, input bytes, estimated peak, measured peak)
+    constants = []
+    for function in first.functions:
+        traced, specs = artifacts.load(first.codegen_root / function.name)
+        gm = traced.graph_module
+        constants += [s for s in specs["state"] if s["kind"] == "constant" and not s["shape"]]
+        for kind, count in graphs.op_counts(gm).items():
+            ops[kind] += count
+        placeholders = graphs.placeholder_specs(specs)
+        graphs.propagate_shapes(gm, placeholders)
+        estimated = graphs.activation_peak(gm).peak_bytes
+        measured = None
+        if measure:
+            args = [_sample(shape, dtype) for shape, dtype in placeholders]
+            measured = graphs.measured_peak(gm, args)
+        inputs = sum(
+            int(np.prod(e["shape"], dtype=np.int64)) * getattr(torch, e["dtype"]).itemsize
+            for e in specs["inputs"].values()
+        )
+        # the larger of the two: a storage the shapes cannot see (mse_loss's) is counted
+        calls.append((inputs + max(estimated, measured or 0), inputs, estimated, measured))
+    _, inputs, estimated, measured = max(calls, key=lambda c: c[0])
+    params = sum(_bytes(p) for p in module.parameters())
+    buffers = sum(_bytes(b) for b in module.buffers())
+    optimizer_state = sum(
+        _bytes(t)
+        for opt in first.trainer.optimizers
+        for state in opt.state.values()
+        for t in state.values()
+        if isinstance(t, torch.Tensor)
+    )
+    peak = params + buffers + optimizer_state + inputs + max(estimated, measured or 0)
+    memory = Memory(
+        params, buffers, optimizer_state, inputs, estimated, peak, measured, board_memory_bytes
+    )
+    return memory, ops, constants
+
+
 def _failure(error: BaseException | None) -> tuple[list[GraphBreak], GraphBreak | None]:
     """A refusal of the capture is a graph break (at the line its message names); any other
-    failure is an error, at the innermost user frame of its traceback."""
+    failure is an error, at the user's line (of what Dynamo was running, or of the traceback),
+    with the error the user's code raised (not Dynamo's wrapper of it)."""
     if error is None:
         return [], None
     message = str(error)
     if isinstance(error, StaticGraphError):
         match = _LINE.search(message)
-        return [GraphBreak(match[1] if match else _user_line(error), message)], None
-    return [], GraphBreak(_user_line(error), f"{type(error).__name__}: {message}")
+        line = match[1] if match else _user_line(error)
+        return [GraphBreak(line, message.split("\n")[0])], None
+    original = _original(error)
+    if original is not None:
+        reason = f"{type(original).__name__}: {original}"
+    else:
+        reason = f"{type(error).__name__}: {message.partition(chr(10))[0]}"
+    return [], GraphBreak(_user_line(error), reason)
+
+
+def _original(error: BaseException) -> BaseException | None:
+    """What the user's code raised under Dynamo's wrappers of it: the innermost error of
+    `error`'s chain that is not Dynamo's (None for an error Dynamo raised itself)."""
+    if not isinstance(error, torch._dynamo.exc.TorchDynamoException):
+        return error
+    found, seen, chain = None, error, set()
+    while seen is not None and id(seen) not in chain:
+        chain.add(id(seen))
+        if not isinstance(seen, torch._dynamo.exc.TorchDynamoException):
+            found = seen
+        seen = seen.__cause__ or seen.__context__
+    return found
+
+
+def _where_line(where: str) -> str | None:
+    """ "file.py:N" of a GraphBreak's `where` ("file.py:N in function: code")."""
+    match = _LINE.match(where)
+    return match[1] if match else None
 
 
 def _user_line(error: BaseException) -> str | None:
-    """The innermost frame of the error's traceback in the user's code (not in a library)."""
-    frame = user_frame_summary(traceback.extract_tb(error.__traceback__))
+    """The user's innermost frame: in what Dynamo was running (its `real_stack`), else in the
+    error's traceback (not in a library)."""
+    stack = list(getattr(error, "real_stack", None) or [])
+    frame = user_frame_summary(stack) if stack else None
+    if frame is None:
+        frame = user_frame_summary(traceback.extract_tb(error.__traceback__))
     return None if frame is None else f"{frame.filename}:{frame.lineno}"
 
 
@@ -381,16 +514,23 @@ def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _guarded(hook: CompiledHook, module: LightningModule) -> list[GuardedValue]:
-    writers = _attribute_writers(type(module))
-    found = []
-    for key, (_, _, value) in sorted(hook.python_values.guarded.items()):
-        name = key.removeprefix("self.")
-        found.append(GuardedValue(key, value, writers.get(name, [])))
-    return found
+def _dict_keys(hooks: list[CapturedHook]) -> dict[str, Any]:
+    """The dict keys the hooks' steps read (Dynamo guards each, with its value), by source."""
+    return {
+        g.source.name: g.value
+        for hook in hooks
+        for sources in hook.frontend.sources
+        for g in sources.guards
+        if g.has_value and isinstance(g.source, ConstDictKeySource)
+    }
 
 
-# hooks that run before the first step is traced: what they assign is traced for, not changed
+def _dynamo_name(source_name: str) -> str:
+    """A source as Dynamo's re-compile reasons write it: `L['x'].y` -> `x.y`."""
+    return re.sub(r"\b[LG]\['(\w+)'\]", r"\1", source_name)
+
+
+# hooks that run before the first step is captured: what they assign is captured as it is
 _BEFORE_FIRST_STEP = frozenset(
     {
         "__init__",
@@ -406,95 +546,127 @@ _BEFORE_FIRST_STEP = frozenset(
 )
 
 
-def _attribute_writers(cls: type) -> dict[str, list[str]]:
-    """`{"scale": [methods], "temperature.value": [...], "hparams.lr": [...]}`: the
-    methods of the user's classes (not Lightning's, not those that run before the first
-    step) that assign `self.<path>`."""
-    writers: dict[str, list[str]] = {}
-    for klass in cls.__mro__:
-        if klass.__module__.split(".")[0] in (
-            "lightning",
-            "pytorch_lightning",
-            "torch",
-            "builtins",
-        ):
-            continue
-        for name, function in vars(klass).items():
-            if name in _BEFORE_FIRST_STEP or not inspect.isfunction(function):
+def _guarded(
+    hooks: list[CapturedHook], namer: Namer, module: LightningModule, named: dict[str, str]
+) -> list[GuardedValue]:
+    """The Python values Dynamo guards (CONSTANT_MATCH and EQUALS_MATCH guards: a value, not
+    a type, an identity or a tensor's metadata) that lead to something of the user's (see
+    sources.py), with their value when first captured; the first graph's value wins."""
+    writers = assigned_attributes(type(module), skip=_BEFORE_FIRST_STEP)
+    found: dict[str, GuardedValue] = {}
+    for hook in hooks:
+        for sources in hook.frontend.sources:
+            for guard in sources.guards:
+                name = namer.name(guard.source, sources.code)
+                if name is None:
+                    continue
+                named.setdefault(_dynamo_name(guard.source.name), name)  # any kind of guard
+                if not guard.has_value or not plain(guard.value):
+                    continue
+                if name not in found:
+                    path = name.removeprefix("self.")
+                    found[name] = GuardedValue(name, guard.value, writers.get(path, []))
+    return sorted(found.values(), key=lambda g: g.name)
+
+
+def _inputs(
+    captured: list[tuple[Any, Any]],
+    namer: Namer,
+    kind: InputKind,
+    self_only: bool = False,
+    named: dict[str, str] | None = None,
+) -> list[str]:
+    """The user's names of the graphs' inputs of `kind`, in order, once each."""
+    found: list[str] = []
+    for graph, sources in captured:
+        for spec, source in zip(graph.inputs, sources.inputs, strict=True):
+            if spec.kind is not kind or source is None:
                 continue
-            try:
-                tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
-            except (OSError, TypeError, SyntaxError):
+            name = namer.name(source, sources.code)
+            if name is None or (self_only and not name.startswith("self.")):
                 continue
-            for node in ast.walk(tree):
-                targets = []
-                if isinstance(node, ast.Assign):
-                    targets = node.targets
-                elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
-                    targets = [node.target]
-                for target in targets:
-                    path = _self_path(target)
-                    if path is not None and name not in writers.setdefault(path, []):
-                        writers[path].append(name)
-    return writers
-
-
-def _self_path(target: ast.expr) -> str | None:
-    """`self.a.b = ...` -> "a.b"; `self.net[2].p` -> "net.2.p" (a submodule's name);
-    `self.d["k"] = ...` -> "d['k']"; else None."""
-    parts = []
-    while True:
-        if isinstance(target, ast.Attribute):
-            parts.append(f".{target.attr}")
-        elif isinstance(target, ast.Subscript) and isinstance(target.slice, ast.Constant):
-            key = target.slice.value
-            parts.append(f".{key}" if isinstance(key, int) else f"[{key!r}]")
-        else:
-            break
-        target = target.value
-    if not parts or not (isinstance(target, ast.Name) and target.id == "self"):
-        return None
-    return "".join(reversed(parts)).removeprefix(".")
-
-
-def _live_inputs(hook: CompiledHook, specs: Mapping, trainer: L.Trainer) -> list[str]:
-    live = [
-        k.removeprefix(COUNTER_PREFIX)
-        for k in specs["inputs"]
-        if k.startswith(COUNTER_PREFIX) and k.removeprefix(COUNTER_PREFIX) in hook.used_counters
-    ]
-    constants = [s for s in specs["state"] if s["kind"] == "constant" and not s["shape"]]
-    if (
-        constants
-        and trainer.optimizers
-        and any(s["name"].startswith("<captured") for s in constants)
-    ):
-        keys = sorted(
-            {
-                k
-                for opt in trainer.optimizers
-                for group in opt.param_groups
-                for k, v in group.items()
-                if k != "params" and isinstance(v, (float, torch.Tensor))
-            }
-        )
-        if "lr" in keys:
-            live.append("optimizer hyperparameters (" + ", ".join(keys) + ")")
-    return live
-
-
-def _replayed(hook: CompiledHook) -> list[str]:
-    found = []
-    for call in hook.recorder.calls:
-        if isinstance(call, _LogCall):
-            found.append(f"self.log({call.name!r})")
-        elif isinstance(call, _MetricCall):
-            found.append(call.describe())
-        elif isinstance(call, _HostCall):
-            found.append(getattr(call.call, "__qualname__", "a host call").split(".<")[0])
-    for append in hook.effects.appends:
-        found.append(f"self.{hook.effects.path_of(append.module)}{append.name}.append(...)")
+            if named is not None:
+                named.setdefault(_dynamo_name(source.name), name)
+            if name not in found:
+                found.append(name)
     return found
+
+
+def _optimizer_hyperparameters(constants: list[dict], optimizers: list[Any]) -> list[str]:
+    """The optimizer hyperparameters the device graph reads from their tensors at each call
+    (captured 0-d constants, uploaded again when a scheduler changes them)."""
+    if not optimizers or not any(s["name"].startswith("<captured") for s in constants):
+        return []
+    keys = sorted(
+        {
+            k
+            for opt in optimizers
+            for group in opt.param_groups
+            for k, v in group.items()
+            if k != "params" and isinstance(v, (float, torch.Tensor))
+        }
+    )
+    return ["optimizer hyperparameters (" + ", ".join(keys) + ")"] if "lr" in keys else []
+
+
+def _replayed(first: _FirstCall, captured: list[tuple[Any, Any]]) -> list[str]:
+    """What the host runs after each call, in its order: the appends to the module's lists
+    (Dynamo's side effects), a manual step's scheduler steps (their markers in the graphs),
+    the `self.log` calls."""
+    found = [f"{path}.append(...)" for path in first.appended]
+    for graph, _ in captured:
+        for node in graph.graph_module.graph.nodes:
+            name = getattr(node.target, "__name__", "") if node.op == "call_function" else ""
+            if name.endswith(_SCHEDULER_STEP):
+                found.append("lr_scheduler.step()")
+    return found + [f"self.log({name!r})" for name in first.logged]
+
+
+def _retrace_text(reason: str, named: Mapping[str, str]) -> str:
+    """Dynamo's reason for a re-compile in one line, the guard in the user's names, at the
+    user's line: "self.scale == 1.0 failed, at model.py:12 in training_step"; another
+    reason (the strategy's: the module's structure changed, say) as it is."""
+    first = reason.split("\n", 1)[0]
+    if not re.match(r"\d+/\d+: ", first):  # not a guard Dynamo reports by its compile id
+        return first
+    first = re.sub(r"^\d+/\d+: ", "", first)
+    guard = re.sub(r"\s*\(HINT:.*$", "", first).split("  # ", 1)[0].strip()
+    if named:
+        longest_first = sorted(named, key=len, reverse=True)
+        pattern = "|".join(re.escape(n) + r"(?![\w])" for n in longest_first)
+        guard = re.sub(pattern, lambda m: named[m[0]], guard)
+    frame = user_frame_summary(frames_of(reason))
+    where = f", at {frame.filename}:{frame.lineno} in {frame.name}" if frame else ""
+    return f"{guard} failed{where}"
+
+
+def _batch_shapes(batch: Any) -> dict[str, list]:
+    """`{"batch[0]": [shape, dtype]}`: each tensor of the batch by its place (a group of
+    steps_per_call batches: `batch[k][...]`)."""
+    if isinstance(batch, StepGroup):
+        batch = list(batch)
+    leaves, _ = tree_flatten_with_path(batch)
+    return {
+        f"batch{keystr(path)}": [list(leaf.shape), str(leaf.dtype).removeprefix("torch.")]
+        for path, leaf in leaves
+        if isinstance(leaf, torch.Tensor)
+    }
+
+
+def _list_lengths(module: LightningModule) -> dict[str, int]:
+    """The length of each list attribute of the module and its submodules, by path."""
+    return {
+        f"self.{prefix + '.' if prefix else ''}{name}": len(value)
+        for prefix, sub in module.named_modules()
+        for name, value in vars(sub).items()
+        if type(value) is list
+    }
+
+
+def _appended(module: LightningModule, before: Mapping[str, int]) -> list[str]:
+    """The lists that grew during a call (a step's `self.outputs.append(...)`)."""
+    after = _list_lengths(module)
+    return [path for path, n in after.items() if n > before.get(path, n)]
 
 
 def _data_report(stage: str, loader: DataLoader, steps_per_call: int = 1) -> DataReport:

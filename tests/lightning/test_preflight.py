@@ -1,13 +1,16 @@
 """The preflight report (mncore_lightning.preflight), field by field, on modules that compile,
-break, re-trace, carry state and read ragged data; the callback, LightningCLI and the command
-line. Each report compiles one batch per stage at O0 on tiny models."""
+break the graph, re-compile, read Python values, carry state and read ragged data; the
+callback, LightningCLI and the command line. Each report runs one batch per stage through the
+TorchDynamo capture at O0 on tiny models."""
 
 from __future__ import annotations
 
 import inspect
 import io
 import json
+import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -82,15 +85,22 @@ def test_the_report_of_a_module_that_compiles_field_by_field() -> None:
         train.live_inputs[0].startswith("optimizer hyperparameters (")
         and "lr" in train.live_inputs[0]
     )
+    # Dynamo's value guards, by the user's names: the Dropout's p and mode the forward reads;
+    # none of the plumbing (the capture's closures, Lightning's private attributes)
     guarded = {g.name: g.value for g in train.guarded}
-    assert guarded["self.hparams.lr"] == 0.1 and guarded["self.net.0.in_features"] == IN_FEATURES
+    assert guarded["self.net.2.p"] == 0.0 and guarded["self.net.2.training"] is True
+    assert all(re.fullmatch(r"self(\.[a-z0-9]\w*)+", name) for name in guarded), guarded
     assert all(g.written_by == [] for g in train.guarded)
+    assert {g.name: g.value for g in _hook(report, "validation_step").guarded}[
+        "self.net.2.training"
+    ] is False  # evaluation runs in eval mode: its own graph, guarded on it
     # parameters: Linear(8, 16) + Linear(16, 3), float32; SGD without momentum keeps no
     # per-parameter tensors but its step counters
     params = 4 * (IN_FEATURES * 16 + 16 + 16 * CLASSES + CLASSES)
     memory = train.memory
     assert memory.parameter_bytes == params and memory.buffer_bytes == 0
-    assert memory.input_bytes == 16 * IN_FEATURES * 4 + 16 * 8 + 3 * 8  # batch + 3 counters
+    # the batch, and its size: a number input of the graph (int64)
+    assert memory.input_bytes == 16 * IN_FEATURES * 4 + 16 * 8 + 8
     assert memory.peak_bytes == (
         params
         + memory.optimizer_state_bytes
@@ -178,12 +188,13 @@ def test_the_report_of_the_examples(spec, ops, optimizer_tensors) -> None:
         missed = memory.measured_activation_peak_bytes - memory.activation_peak_bytes
         assert 0 <= missed <= pinned and (missed > 0) == (pinned > 0)
     guarded = {g.name: g.value for g in train.guarded}
-    assert all(guarded[f"self.hparams.{k}"] == v for k, v in module.hparams.items())
+    assert all(name.startswith("self.") for name in guarded), guarded
     if "mnist_cnn" in spec:
-        assert guarded["self.conv2_drop.p"] == 0.5
+        assert guarded["self.conv2_drop.p"] == 0.5 and guarded["self.conv1.stride"] == (1, 1)
         assert val.replayed == ["self.log('val_loss')", "self.log('val_acc')"]
         assert test.replayed[2:] == ["self.log('test_correct')", "self.log('test_total')"]
     else:
+        assert guarded["self.encoder.1.inplace"] is False  # the ReLU's flag its forward reads
         assert val.replayed == ["self.log('val_loss')"]
     data = {d.stage: d for d in report.data}
     assert (data["train"].batches, data["train"].dropped_per_epoch) == (2, 8)
@@ -196,14 +207,14 @@ def test_the_report_of_the_examples(spec, ops, optimizer_tensors) -> None:
     ]
 
 
-# --- a graph break ---------------------------------------------------------------------------
+# --- graph breaks ------------------------------------------------------------------------------
 
 
 class Branching(LitClassifier):
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = F.cross_entropy(self(x), y)
-        if loss > 1:  # a branch on a tensor: one static graph cannot hold it
+        if loss > 1:  # a branch on a tensor: host code between device calls
             loss = loss * 2
         return loss
 
@@ -211,16 +222,145 @@ class Branching(LitClassifier):
 def test_a_graph_break_names_the_users_line_and_the_other_hooks_still_report() -> None:
     report = run_preflight(Branching(), {"train": loader(), "validate": loader()})
     train = _hook(report, "training_step")
-    assert not train.compiles and train.memory is None and train.op_counts == {}
+    # it runs, as forward and backward device calls around the branch and an update call
+    assert train.compiles and train.device_calls_per_step >= 3 and train.memory is not None
     (brk,) = train.graph_breaks
     assert brk.line.endswith(_line_of(Branching, "if loss > 1"))
-    assert "StaticGraphError" in brk.reason or "branch" in brk.reason.lower()
-    assert _hook(report, "validation_step").compiles  # validated on its own after the break
-    assert report.failures(("graph_break",)) and not report.failures(("retrace",))
-    assert "**training_step does not compile**" in report.to_markdown()
+    assert "branching" in brk.reason.lower()
+    assert _hook(report, "validation_step").compiles
+    assert _hook(report, "validation_step").graph_breaks == []
+    assert report.failures(("graph_break",)) == [f"training_step: {brk.reason} (at {brk.line})"]
+    assert not report.failures(("retrace",))
+    assert f"- training_step: graph break at {brk.line}: " in report.to_markdown()
 
 
-# --- a re-trace trigger ----------------------------------------------------------------------
+class Printing(LitClassifier):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        print("loss", loss)  # host code: the graph breaks here
+        self.log("train_loss", loss)
+        return loss
+
+
+def test_a_print_is_a_graph_break_at_its_line_with_the_runs_device_calls(caplog) -> None:
+    report = run_preflight(Printing(), {"train": loader()})
+    train = _hook(report, "training_step")
+    assert train.compiles and train.replayed == ["self.log('train_loss')"]
+    (brk,) = train.graph_breaks
+    assert brk.line.endswith(_line_of(Printing, "print(")) and "print" in brk.reason
+    # the device calls a step takes are those of a real run, which says them once
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
+        make_trainer("mncore", max_epochs=1, limit_train_batches=2).fit(Printing(), loader())
+    (said,) = re.findall(r"it runs as (\d+) device calls per step", caplog.text)
+    assert train.device_calls_per_step == int(said) and train.device_calls_per_step > 1
+    assert f"| device calls per step | {int(said)} |" in report.to_markdown()
+
+
+class ManualPrinting(LitClassifier):
+    """Manual optimization with host code: one device call per step cannot hold it."""
+
+    def __init__(self) -> None:
+        super().__init__(scheduler="step")
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt, sch = self.optimizers(), self.lr_schedulers()
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        print("loss", loss)  # host code inside a manual step
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        sch.step()
+
+
+def test_a_step_the_capture_refuses_does_not_compile_at_its_line() -> None:
+    report = run_preflight(ManualPrinting(), {"train": loader()})
+    train = _hook(report, "training_step")
+    assert not train.compiles and train.memory is None and train.device_calls_per_step is None
+    (brk,) = train.graph_breaks
+    assert brk.line.endswith(_line_of(ManualPrinting, "print(")) and "host code" in brk.reason
+    assert train.error is None  # a refusal of the capture, not an error of the step
+    text = report.to_markdown()
+    assert "| compiles | **no: graph break** |" in text
+    assert f"- **training_step does not compile** at {brk.line}: " in text
+
+
+def test_a_manual_steps_scheduler_step_is_replayed_on_the_host() -> None:
+    class Manual(ManualPrinting):
+        def training_step(self, batch, batch_idx):
+            opt, sch = self.optimizers(), self.lr_schedulers()
+            x, y = batch
+            loss = F.cross_entropy(self(x), y)
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+            sch.step()
+            self.log("loss", loss)
+
+    train = _hook(run_preflight(Manual(), {"train": loader()}), "training_step")
+    assert train.compiles and train.device_calls_per_step == 1
+    assert train.replayed == ["lr_scheduler.step()", "self.log('loss')"]
+
+
+# --- guarded values, live inputs and re-compiles ------------------------------------------------
+
+SCALES = {"train": 2.0}  # a module-level dict the step reads
+
+
+def _scaled_by(factor: float):
+    def scale(loss):
+        return loss * factor  # a closure cell
+
+    return scale
+
+
+HALVE = _scaled_by(0.5)
+
+
+class ReadsPython(LitClassifier):
+    MARGIN = 0.25  # a class attribute
+
+    def __init__(self) -> None:
+        super().__init__(lr=0.05)
+        self.temperature = 1.5
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        lr = self.optimizers().param_groups[0]["lr"]
+        loss = F.cross_entropy(self(x) / self.temperature, y) * SCALES["train"] + self.MARGIN
+        return HALVE(loss) * (self.hparams.lr / lr) + torch.zeros(()) * batch_idx
+
+
+def test_guarded_values_and_live_inputs_by_the_users_names() -> None:
+    report = run_preflight(ReadsPython(), {"train": loader()})
+    train = _hook(report, "training_step")
+    guarded = {g.name: g.value for g in train.guarded}
+    assert {
+        name: guarded.get(name)
+        for name in (
+            "self.temperature",
+            "self.hparams.lr",
+            "self.optimizers().param_groups[0]['lr']",
+            "SCALES['train']",
+            "ReadsPython.MARGIN",
+            "_scaled_by.<locals>.factor",
+        )
+    } == {
+        "self.temperature": 1.5,
+        "self.hparams.lr": 0.05,
+        "self.optimizers().param_groups[0]['lr']": 0.05,
+        "SCALES['train']": 2.0,
+        "ReadsPython.MARGIN": 0.25,
+        "_scaled_by.<locals>.factor": 0.5,
+    }
+    # Dynamo's own names and the framework's values are not shown
+    assert not [n for n in guarded if "L[" in n or "G[" in n or "__" in n or "._" in n]
+    assert "batch_idx" in train.live_inputs and train.retraces == []  # an input: not guarded
+    assert "batch_idx" not in guarded
+    text = report.to_markdown()
+    assert "| guarded values | " in text and "self.temperature=1.5" in text
 
 
 class Rescaled(LitClassifier):
@@ -236,15 +376,20 @@ class Rescaled(LitClassifier):
         return F.cross_entropy(self(x), y) * self.scale
 
 
-def test_a_value_a_hook_changes_is_flagged_and_the_retrace_observed() -> None:
+def test_a_value_a_hook_changes_is_flagged_and_the_recompile_observed() -> None:
     report = run_preflight(Rescaled(), {"train": loader()})
     train = _hook(report, "training_step")
     scale = next(g for g in train.guarded if g.name == "self.scale")
     assert scale.value == 1.0 and scale.written_by == ["on_train_epoch_start"]
-    assert train.retraces == ["training_step: self.scale changed 1.0 -> 2.0"]
-    assert train.graphs == 2  # the second epoch traced it again
+    # Dynamo's reason: the guard that failed, in the user's names, at the user's line
+    (retrace,) = train.retraces
+    assert retrace.startswith("training_step: self.scale == 1.0 failed, at ")
+    assert retrace.endswith(f"{_line_of(Rescaled, '* self.scale')} in training_step")
+    assert train.graphs == 2  # the second epoch captured it again
+    assert "self.scale" in train.live_inputs  # a float that changed: a graph input since
     risks = report.failures(("retrace",))
-    assert len(risks) == 2 and any("on_train_epoch_start assigns" in r for r in risks)
+    assert risks[0] == f"re-compiled {retrace}"
+    assert len(risks) == 2 and "on_train_epoch_start assigns" in risks[1]
 
 
 class Annealed(LitClassifier):
@@ -255,7 +400,7 @@ class Annealed(LitClassifier):
         self.width = 0
 
     def setup(self, stage: str) -> None:
-        self.width = 16  # before the first step: traced for, never changed after
+        self.width = 16  # before the first step: captured as it is, never changed after
 
     def on_train_epoch_end(self) -> None:
         if self.current_epoch == 5:
@@ -304,6 +449,15 @@ def test_the_callback_stops_the_fit_on_a_retrace_before_any_step() -> None:
     assert trainer.global_step == 0
 
 
+def test_the_callback_stops_the_fit_on_a_graph_break_naming_the_line() -> None:
+    preflight = MNCorePreflight(fail_on=("graph_break", "retrace"), print_report=False)
+    trainer = make_trainer("mncore", callbacks=[preflight])
+    with pytest.raises(PreflightError) as stopped:
+        trainer.fit(Printing(), loader())
+    assert _line_of(Printing, "print(") in str(stopped.value) and trainer.global_step == 0
+    assert str(stopped.value).startswith("MNCorePreflight(fail_on=('graph_break', 'retrace'))")
+
+
 # --- carried state and replayed appends -------------------------------------------------------
 
 
@@ -330,11 +484,11 @@ class Carrying(LitClassifier):
 def test_carried_tensors_live_counters_and_replayed_appends() -> None:
     report = run_preflight(Carrying(), {"train": loader(), "validate": loader()})
     train = _hook(report, "training_step")
-    assert train.carried == ["self.ema"]
-    assert train.live_inputs[0] == "global_step"
+    assert train.carried == ["self.ema"]  # a tensor attribute: a graph input at every call
+    assert train.live_inputs[0] == "self.global_step"
     assert train.replayed == ["self.log('ema')", "self.log('step')"]
     val = _hook(report, "validation_step")
-    assert val.replayed == ["self.val_losses.append(...)"] and val.carried == ["self.ema"]
+    assert val.replayed == ["self.val_losses.append(...)"] and val.carried == []
 
 
 # --- a ragged data set ----------------------------------------------------------------------
@@ -516,7 +670,7 @@ def test_the_command_line_on_the_mnist_example(tmp_path) -> None:
             "--datamodule",
             "examples/mnist_datamodule.py:MNISTDataModule",
             "--init-args",
-            '{"lr": 0.05}',
+            '{"momentum": 0.0}',
             "--batch-size",
             "32",
             "--json",
@@ -531,8 +685,9 @@ def test_the_command_line_on_the_mnist_example(tmp_path) -> None:
     assert list(hooks) == ["training_step", "validation_step", "test_step"]
     train = hooks["training_step"]
     assert train["batch_shapes"]["batch[0]"] == [[32, 1, 32, 32], "float32"]
-    assert {g["name"]: g["value"] for g in train["guarded"]}["self.hparams.lr"] == 0.05
     assert train["memory"]["parameter_bytes"] == 4 * (1024 * 256 + 256 + 256 * 10 + 10)
+    # momentum=0.0 reached the module: SGD keeps no momentum buffers
+    assert train["memory"]["optimizer_state_bytes"] < train["memory"]["parameter_bytes"]
     assert train["op_counts"]["matmul"] == 5 and train["replayed"] == ["self.log('train_loss')"]
     data = {d["stage"]: d for d in report["data"]}
     assert data["train"]["dropped_per_epoch"] == 4000 % 32 and data["train"]["batch_size"] == 32
@@ -544,6 +699,7 @@ def test_predict_and_several_steps_per_call() -> None:
     )
     train, predict = report.hooks
     assert train.device_calls_per_step == 0.5 and train.compiles
+    assert train.replayed == ["self.log('train_loss')"]  # each step's, after the group's call
     # a call of two steps takes the two batches: the graph's inputs are both
     assert train.batch_shapes["batch[0][0]"] == [[16, IN_FEATURES], "float32"]
     assert train.batch_shapes["batch[1][0]"] == [[16, IN_FEATURES], "float32"]
@@ -589,11 +745,13 @@ def test_the_command_line_fails_on_a_graph_break_naming_the_line(tmp_path, capsy
     argv += ["--batch-size", "4", "--no-rich", "--json", str(out), "--fail-on", "graph_break"]
     assert main(argv) == 1
     captured = capsys.readouterr()
-    assert "**training_step does not compile** at" in captured.out
-    assert "branches.py:15" in captured.err and ".item()" in captured.err  # `if loss.item()`
+    assert "- training_step: graph break at " in captured.out
+    assert "branches.py:15" in captured.err  # `if loss.item() > 0:`: a branch on a tensor
     report = json.loads(out.read_text())
     (hook,) = report["hooks"]
-    assert hook["compiles"] is False and hook["graph_breaks"][0]["line"].endswith("branches.py:15")
+    (brk,) = hook["graph_breaks"]
+    assert brk["line"].endswith("branches.py:15") and "branching" in brk["reason"].lower()
+    assert hook["compiles"] is True and hook["device_calls_per_step"] > 1
     assert report["data"] == [
         {
             "stage": "train",
@@ -626,12 +784,16 @@ class BranchesLater(LitClassifier):
         return loss
 
 
-def test_a_step_that_breaks_only_when_retraced_is_reported_with_its_first_graph() -> None:
+def test_a_step_that_breaks_only_when_recompiled_is_reported_with_its_first_graph() -> None:
     report = run_preflight(BranchesLater(), {"train": loader()})
     train = _hook(report, "training_step")
-    assert not train.compiles and train.graphs == 1 and train.memory is not None
-    assert train.retraces == ["training_step: self.clip changed False -> True"]
-    (brk,) = train.graph_breaks
+    (retrace,) = train.retraces
+    assert retrace.startswith("training_step: self.clip == False failed, at ")
+    (brk,) = train.graph_breaks  # in the graph captured again
     assert brk.line.endswith(_line_of(BranchesLater, "if self.clip and loss > 1"))
+    assert train.compiles and train.device_calls_per_step > 1 and train.graphs > 2
+    # ops and memory are the first graph's: the step of the class it extends
+    plain = _hook(run_preflight(LitClassifier(), {"train": loader()}), "training_step")
+    assert train.op_counts == plain.op_counts and train.memory == plain.memory
     text = report.to_markdown()
-    assert "| compiles | **no: graph break** |" in text and "| graphs compiled | 1 |" in text
+    assert "| compiles | yes |" in text and f"| graphs captured | {train.graphs} |" in text

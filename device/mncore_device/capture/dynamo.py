@@ -16,8 +16,10 @@ update, say); the frontend maps Dynamo's arguments to that function's inputs at 
 
 What the frontend reports: each re-compile with Dynamo's reason (the guard that failed,
 with the user's line), through `on_retrace`; each graph break with its reason and user line
-(`breaks`). Re-compiles are bounded by `max_retraces`, after which a `StaticGraphError`
-names the guard that keeps failing. `fullgraph=True` makes a graph break an error.
+(`breaks`); each graph's guards, with the values guarded, and its inputs' sources (`sources`,
+for reports such as the preflight's). Re-compiles are bounded by `max_retraces`, after which
+a `StaticGraphError` names the guard that keeps failing. `fullgraph=True` makes a graph break
+an error.
 """
 
 from __future__ import annotations
@@ -139,6 +141,63 @@ class GraphBreak:
 
     def __str__(self) -> str:
         return f"{self.where}: {self.reason}"
+
+
+# Dynamo's guards on a value (not on a type, an identity or a tensor's metadata)
+_VALUE_GUARDS = frozenset({"CONSTANT_MATCH", "EQUALS_MATCH"})
+
+
+@dataclasses.dataclass(frozen=True)
+class CapturedGuard:
+    """One of Dynamo's guards on a captured graph, for reports (the frontend does not use it)."""
+
+    kind: str  # Dynamo's guard builder: CONSTANT_MATCH, EQUALS_MATCH, TYPE_MATCH, ...
+    source: Any  # a torch._guards.Source: where the step read it (`.name`: Dynamo's expression)
+    value: Any = None  # a value guard's value when the graph was captured
+    has_value: bool = False  # whether `value` is that (a value guard, read back)
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphSources:
+    """Where one captured graph's values come from, for reports: the code of the frame Dynamo
+    captured it from (the frontend's own step, or one of the user's functions after a graph
+    break), its guards, and the source of each of its inputs (CapturedGraph.inputs' order)."""
+
+    code: types.CodeType | None
+    guards: tuple[CapturedGuard, ...]
+    inputs: tuple[Any, ...]  # torch._guards.Source, or None
+
+    @classmethod
+    def of_current_trace(cls, graph_module: fx.GraphModule) -> GraphSources:
+        """The sources of the graph Dynamo is handing over (called from its backend); empty
+        where Dynamo's state says nothing (a report never fails a step)."""
+        from torch._dynamo.guards import _get_closure_vars
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        try:
+            output = InstructionTranslator.current_tx().output
+        except AttributeError:  # no translator: not called from Dynamo's backend
+            return cls(None, (), ())
+        scope = {"L": output.local_scope, "G": output.global_scope}
+        closure_vars, cache = _get_closure_vars(), {}
+        context = torch._guards.TracingContext.try_get()
+        found = []
+        for guard in context.guards_context.dynamo_guards if context is not None else ():
+            kind, source = guard.create_fn_name(), guard.originating_source
+            try:
+                if kind in _VALUE_GUARDS:
+                    value = source.get_value(scope, closure_vars, cache)
+                    found.append(CapturedGuard(kind, source, value, has_value=True))
+                    continue
+            except Exception:  # noqa: BLE001 - a value it cannot read back is left out
+                pass
+            found.append(CapturedGuard(kind, source))
+        inputs = tuple(
+            getattr(node.meta.get("grapharg"), "source", None)
+            for node in graph_module.graph.nodes
+            if node.op == "placeholder"
+        )
+        return cls(output.root_tx.f_code, tuple(found), inputs)
 
 
 @dataclasses.dataclass
@@ -334,6 +393,7 @@ class DynamoFrontend:
         self.fullgraph = fullgraph
         self.max_retraces = max_retraces
         self.graphs: list[CapturedGraph] = []
+        self.sources: list[GraphSources] = []  # of each of `graphs`, for reports
         self.retraces: list[str] = []
         self.breaks: list[GraphBreak] = []
         frontend = weakref.ref(self)
@@ -410,6 +470,7 @@ class DynamoFrontend:
                 )
             self._on_retrace(reason)
         self.graphs.append(captured)
+        self.sources.append(GraphSources.of_current_trace(graph_module))
         return _GraphCall(captured, _weakly(self._compile_graph), _weakly(self._on_retrace))
 
     @contextlib.contextmanager
