@@ -1,5 +1,9 @@
-"""The training step's capture, before (make_fx, MNCORE_CAPTURE=trace) and after (TorchDynamo,
-MNCORE_CAPTURE=dynamo), side by side.
+"""The training step's capture, before (make_fx) and after (TorchDynamo), side by side.
+
+"before" is the make_fx tracer of user steps, which this package no longer has: it runs from
+a checkout of a commit that still had it (`--before DIR`, with MNCORE_CAPTURE=trace there;
+for example `git worktree add /tmp/before b7af94a`), in child processes interleaved with those
+of this tree ("after").
 
   - compile: the first training step's wall time (from the call to the strategy's
     training_step until it returns: Dynamo's capture, the device graph's trace, Inductor's
@@ -16,8 +20,9 @@ MNCORE_CAPTURE=dynamo), side by side.
   - fit: `trainer.fit` steady steps/s on the tutorial MLP (bench_lightning.py's module and
     data, batch 64, no progress bar, no logger), a process per fit, modes interleaved.
 
-    python benchmarks/bench_capture.py [--parts compile guards fit] [--models mlp resnet18]
-        [--repeats 3] [--rounds 3] [--epochs 4] [--calls 2000] [--threads 2] [--out FILE]
+    python benchmarks/bench_capture.py --before DIR [--parts compile guards fit]
+        [--models mlp resnet18] [--repeats 3] [--rounds 3] [--epochs 4] [--calls 2000]
+        [--threads 2] [--out FILE]
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ sys.path.insert(0, str(HERE))  # the benchmarks next to this one
 
 import bench_lightning as bl  # noqa: E402
 
-MODES = ("trace", "dynamo")  # MNCORE_CAPTURE: before, after
+MODES = ("trace", "dynamo")  # before (the --before tree's make_fx path), after (this tree)
 RESNET_BATCH = 32
 
 
@@ -95,12 +100,11 @@ def _trainer(callbacks=(), **kwargs):
 
 
 def _strategy(mode: str):
-    """An O1 MNCoreStrategy capturing with `mode` (MNCORE_CAPTURE is read when it is built)."""
+    """An O1 MNCoreStrategy of the tree this child runs (see _child)."""
     import mncore_lightning
 
-    os.environ["MNCORE_CAPTURE"] = mode
     strategy = mncore_lightning.MNCoreStrategy(device="pfvm:cpu", preset="O1")
-    assert strategy.capture == mode, strategy.capture
+    assert getattr(strategy, "capture", "dynamo") == mode, (mode, mncore_lightning.__file__)
     return strategy
 
 
@@ -183,10 +187,9 @@ def _per_call_us(fns: dict, calls: int, passes: int = 7) -> dict[str, float]:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def guards(calls: int, rounds: int) -> dict:
-    """Per-call microseconds of the Dynamo frontend's parts, and of the strategy's host-side
-    training step under each mode, with the device graph's executor replayed; `rounds` fits
-    per mode, interleaved, medians over them."""
+def guards(mode: str, calls: int) -> dict:
+    """Per-call microseconds of the strategy's host-side training step (and, after, of the
+    Dynamo frontend's parts), with the device graph's executor replayed, in this process."""
     import lightning as L
     import torch
 
@@ -215,7 +218,7 @@ def guards(calls: int, rounds: int) -> dict:
     CompiledFunction._arguments = keeping
     loader = bl._data()
     batches = [b for _, b in zip(range(8), loader, strict=False)]
-    runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    runs: dict[str, list[dict]] = {mode: []}
 
     class Measure(L.Callback):
         def __init__(self, mode: str) -> None:
@@ -246,16 +249,12 @@ def guards(calls: int, rounds: int) -> dict:
             compiled._executor = executor
             runs[self.mode].append(result)
 
-    for _ in range(rounds):
-        for mode in MODES:
-            torch.manual_seed(0)
-            trainer = _trainer([Measure(mode)], strategy=_strategy(mode), max_steps=4)
-            trainer.fit(bl._module_cls()(), loader)
-    report = {
-        mode: {k: round(statistics.median(r[k] for r in results), 1) for k in results[0]}
-        for mode, results in runs.items()
-    }
-    report["trivial graph through DynamoFrontend"] = _trivial_frontend(calls)
+    torch.manual_seed(0)
+    trainer = _trainer([Measure(mode)], strategy=_strategy(mode), max_steps=4)
+    trainer.fit(bl._module_cls()(), loader)
+    (report,) = runs[mode]
+    if mode == "dynamo":
+        report["trivial graph through DynamoFrontend"] = _trivial_frontend(calls)
     return report
 
 
@@ -280,16 +279,16 @@ def _frontend_parts(hook, batch, graph_call, step, calls: int) -> dict:
 
     def log_methods():
         state = module.__dict__
-        state["log"], state["log_dict"] = hook._log, hook._log_dict
+        state["log"], state["log_dict"] = hook._logs.log, hook._logs.log_dict
         del state["log"], state["log_dict"]
 
     hook(batch, 5)
     (name, value, log_args, log_kwargs), *_ = logged
 
     def lightning_log():
-        from mncore_lightning.captured_hooks import _LIGHTNING_LOG
+        from lightning.pytorch import LightningModule
 
-        _LIGHTNING_LOG(module, name, value, *log_args, **log_kwargs)
+        LightningModule.log(module, name, value, *log_args, **log_kwargs)
 
     parts = _per_call_us(
         {
@@ -300,7 +299,7 @@ def _frontend_parts(hook, batch, graph_call, step, calls: int) -> dict:
         },
         calls,
     )
-    module.log, module.log_dict = hook._log, hook._log_dict  # as while the hook runs
+    module.log, module.log_dict = hook._logs.log, hook._logs.log_dict  # as while the hook runs
     try:
         graphs = len(frontend.graphs)
         parts |= _per_call_us(
@@ -403,12 +402,21 @@ def fit(mode: str, epochs: int) -> dict:
 # --- the parent ---------------------------------------------------------------------------------
 
 
-def _child(args: list[str], env: dict | None = None) -> dict:
+_BEFORE: list[Path] = []  # the --before tree
+
+
+def _child(args: list[str], env: dict | None = None, mode: str = "dynamo") -> dict:
+    """Run this script with `args` in a child process: of the --before tree (its make_fx
+    path) for mode "trace", else of this tree."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}
+    env.pop("MNCORE_CAPTURE", None)
+    tree = HERE.parent
+    if mode == "trace":
+        tree = _BEFORE[0]
+        env["MNCORE_CAPTURE"] = "trace"
+    env["PYTHONPATH"] = os.pathsep.join(str(tree / p) for p in ("", "device", "compat"))
     out = subprocess.run(
-        [sys.executable, __file__, *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})},
+        [sys.executable, __file__, *args], capture_output=True, text=True, env=env, cwd=tree
     )
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
     if line is None:
@@ -437,6 +445,7 @@ def _median(values):
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--before", type=Path, help="a checkout that has the make_fx path")
     parser.add_argument("--parts", nargs="+", default=["compile", "guards", "fit"])
     parser.add_argument("--models", nargs="+", default=["mlp", "resnet18"])
     parser.add_argument("--repeats", type=int, default=3, help="compile runs per model and mode")
@@ -462,11 +471,14 @@ def main(argv: list[str] | None = None) -> dict:
         elif kind == "fit":
             result = fit(rest[0], args.epochs)
         else:
-            result = guards(args.calls, args.rounds)
+            result = guards(rest[0], args.calls)
         result["load_average_1min"] = round(os.getloadavg()[0], 2)  # how shared the machine was
         print("RESULT " + json.dumps(result))
         return result
 
+    if args.before is None:
+        parser.error("--before DIR: a checkout of a commit that has the make_fx path")
+    _BEFORE.append(args.before.resolve())
     command = "python benchmarks/bench_capture.py " + " ".join(argv or sys.argv[1:])
     report: dict = {
         "command": command.strip(),
@@ -487,6 +499,7 @@ def main(argv: list[str] | None = None) -> dict:
                     result = _child(
                         ["--_child", "compile", model, mode, *common],
                         {"TORCHINDUCTOR_CACHE_DIR": cache},
+                        mode,
                     )
                     shutil.rmtree(cache, ignore_errors=True)
                     runs.setdefault(model, {}).setdefault(mode, []).append(result)
@@ -505,16 +518,30 @@ def main(argv: list[str] | None = None) -> dict:
             for model, by_mode in runs.items()
         }
     if "guards" in args.parts:
-        report["guards_us"] = _child(
-            ["--_child", "guards", "--calls", str(args.calls), "--rounds", str(args.rounds)]
-            + common
-        )
+        rounds: dict = {mode: [] for mode in MODES}
+        for _ in range(args.rounds):
+            for mode in MODES:  # interleaved
+                child = ["--_child", "guards", mode, "--calls", str(args.calls), *common]
+                rounds[mode].append(_child(child, mode=mode))
+        report["guards_us"] = {
+            mode: {
+                k: (
+                    round(statistics.median(r[k] for r in results), 1)
+                    if isinstance(results[0][k], float | int)
+                    else results[0][k]
+                )
+                for k in results[0]
+            }
+            for mode, results in rounds.items()
+        }
+        trivial = report["guards_us"]["dynamo"].pop("trivial graph through DynamoFrontend")
+        report["guards_us"]["trivial graph through DynamoFrontend"] = trivial
         print(f"guards: {report['guards_us']}", flush=True)
     if "fit" in args.parts:
         fits: dict = {mode: [] for mode in MODES}
         for round_ in range(args.rounds):
             for mode in MODES:
-                fits[mode].append(_child(["--_child", "fit", mode, *common]))
+                fits[mode].append(_child(["--_child", "fit", mode, *common], mode=mode))
                 print(f"fit {round_} {mode}: {fits[mode][-1]}", flush=True)
         report["fit"] = {
             mode: {

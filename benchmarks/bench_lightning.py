@@ -8,9 +8,8 @@ step) through `trainer.fit` under:
 each in its own subprocess (so peak RSS is per configuration), repeated and interleaved.
 Steps/s counts steady-state steps only (the first epoch, which holds the compile, is timed
 separately as "first epoch seconds"). Also reports where an mncore step's time goes: the
-DataLoader, Lightning's loop, the compiled call, replaying `self.log`, the strategy's own
-overhead and, within it, the guards' share (measured with the guards switched off), and how
-often a fit synchronized the host. A config ending in "-bf16" runs precision="bf16-mixed";
+DataLoader, Lightning's loop, the compiled call, replaying `self.log`, and the strategy's,
+capture's and device layer's own overhead, and how often a fit synchronized the host. A config ending in "-bf16" runs precision="bf16-mixed";
 `--model cnn` runs examples/mnist_cnn.py's CNN instead of the MLP. A config with "-k<K>"
 (mncore-O1-k8) runs MNCoreStrategy(steps_per_call=K): K batches per device call.
 "cpu-floor" is Lightning's own floor: the same DataLoader, loop and `self.log` under
@@ -239,9 +238,8 @@ def _summary(epoch_seconds: list[float]) -> dict:
 def _profile_mncore_step(trainer, model, loader) -> dict:
     """Per-step microseconds of the parts of an mncore step, measured outside the loop
     (with steps_per_call=K, per call divided by K)."""
-    from mncore_lightning.compiled_hooks import BatchLayout
+    from mncore_device.compiled import CompiledFunction
     from mncore_lightning.data import StepGroups
-    from mncore_lightning.step_counters import counter_inputs
 
     strategy = trainer.strategy
     k = strategy.steps_per_call
@@ -260,42 +258,42 @@ def _profile_mncore_step(trainer, model, loader) -> dict:
 
     data_us = _loader_us(loader, n)
     model._current_fx_name = "training_step"
-    strategy.training_step(batches[0], 0)  # an epoch's shorter last group may have run last
-    hook = strategy._train_hook
+    arguments = CompiledFunction._arguments
+    kept: dict = {}
+
+    def keeping(compiled, inputs):  # the executor's latest arguments, to time it alone
+        kept[id(compiled)] = arguments(compiled, inputs)
+        return kept[id(compiled)]
+
+    CompiledFunction._arguments = keeping
+    try:
+        strategy.training_step(batches[0], 0)  # an epoch's shorter last group may have run last
+    finally:
+        CompiledFunction._arguments = arguments
     step_us = per_step(lambda i, b: strategy.training_step(b, i))
-    counters = strategy._counters((0,))
-    first = list(batches[0]) if k > 1 else batches[0]
-    inputs = {**BatchLayout.of(first)[1], **counter_inputs(counters), **hook.carried.inputs()}
-    args = hook.compiled._arguments(inputs)
-    executor = hook.compiled._executor
+    hooks = [h for key, h in strategy._captured.items() if key[0] == "train"]
+    compiled = next(c for h in hooks for c in h.compiled if id(c) in kept)
+    args, executor = kept[id(compiled)], compiled._executor
     executor_us = per_step(lambda i, b: executor(args))
     # The strategy's own share: the same call with the graph replaced by its cached outputs,
     # without and with Lightning's self.log replay.
     outputs = executor(args)
-    hook.compiled._executor = lambda _: outputs
+    compiled._executor = lambda _: outputs
     with_replay_us = per_step(lambda i, b: strategy.training_step(b, i))
-    calls, hook.recorder.calls = hook.recorder.calls, []
+    replays = [(h._logs, h._logs.replay) for h in hooks]
+    for logs, _ in replays:
+        logs.replay = lambda module, size: None
     own_us = per_step(lambda i, b: strategy.training_step(b, i))
-    # The guards' share: the same, with the per-step checks (host edits by version counter,
-    # carried tensors, the batch layout) switched off.
-    import mncore_lightning.strategy as strategy_module
-
-    signature, carried = hook.carried.signature, strategy_module.carried_signature
-    strategy_module.carried_signature = lambda module: signature
-    strategy._push_host_edits = lambda: None
-    strategy._check_training_batch = lambda *args: None
-    unguarded_us = per_step(lambda i, b: strategy.training_step(b, i))
-    strategy_module.carried_signature = carried
-    del strategy._push_host_edits, strategy._check_training_batch
-    hook.recorder.calls, hook.compiled._executor = calls, executor
+    for logs, replay in replays:
+        logs.replay = replay
+    compiled._executor = executor
     matmuls = _matmuls_us(model, batches[0] if k == 1 else batches[0][0], per_step, k)
     return {
         "dataloader (per batch)": round(data_us, 1),
         "strategy.training_step (total)": round(step_us, 1),
         "compiled graph (executor)": round(executor_us, 1),
         "self.log replay (Lightning)": round(with_replay_us - own_us, 1),
-        "strategy + device layer own": round(own_us, 1),
-        "of which guards (on - off)": round(own_us - unguarded_us, 1),
+        "strategy + capture + device layer own": round(own_us, 1),
         **({"matmuls alone (forward + gradients)": round(matmuls, 1)} if matmuls else {}),
     }
 

@@ -1,11 +1,10 @@
-"""steps_per_call=8 on the TorchDynamo capture (default) vs the make_fx tracer
-(MNCORE_CAPTURE=trace), in ONE process, interleaved.
+"""steps_per_call=8 against steps_per_call=1, in ONE process, interleaved.
 
 The tutorial MLP of bench_lightning.py (batch 64, 100 steps an epoch, preset O1), fit for
 `--epochs` epochs per round. For each configuration: the median of
-`strategy.training_step` per group (after the first epoch, which compiles) divided by 8,
-in microseconds per step, and the host part of it (the step less its device call).
-Reports the median over rounds.
+`strategy.training_step` per call (after the first epoch, which compiles) divided by the
+steps a call runs, in microseconds per step, and the host part of it (the step less its
+device call). Reports the median over rounds.
 
     python benchmarks/bench_steps_per_call.py [--rounds 5] [--epochs 4]
 """
@@ -14,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -25,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_lightning as bl  # noqa: E402
 
-K = 8
+KS = (1, 8)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -57,13 +55,10 @@ def main(argv: list[str] | None = None) -> dict:
     CompiledSteps.training_step = timing(CompiledSteps.training_step, steps)
     compiled.CompiledFunction.__call__ = timing(compiled.CompiledFunction.__call__, device)
     loader, mlp = bl._data(), bl._module_cls()
-    groups = -(-bl.STEPS_PER_EPOCH // K)  # a shorter last group is a call too
 
-    def fit(capture: str) -> tuple[float, float]:
-        os.environ.pop("MNCORE_CAPTURE", None)
-        if capture == "trace":
-            os.environ["MNCORE_CAPTURE"] = "trace"
-        strategy = mncore_lightning.MNCoreStrategy(device="pfvm:cpu", preset="O1", steps_per_call=K)
+    def fit(k: int) -> tuple[float, float]:
+        groups = -(-bl.STEPS_PER_EPOCH // k)  # a shorter last group is a call too
+        strategy = mncore_lightning.MNCoreStrategy(device="pfvm:cpu", preset="O1", steps_per_call=k)
         trainer = L.Trainer(
             accelerator="mncore",
             strategy=strategy,
@@ -78,12 +73,12 @@ def main(argv: list[str] | None = None) -> dict:
         trainer.fit(mlp(), loader)
         steady = steps[groups:]
         host = [s - d for s, d in zip(steady, device[-len(steady) :], strict=True)]
-        return statistics.median(steady) / K * 1e6, statistics.median(host) / K * 1e6
+        return statistics.median(steady) / k * 1e6, statistics.median(host) / k * 1e6
 
-    times: dict[str, list[tuple[float, float]]] = {"trace": [], "dynamo": []}
+    times: dict[str, list[tuple[float, float]]] = {f"steps_per_call={k}": [] for k in KS}
     for round_ in range(args.rounds):
-        for capture in times:
-            times[capture].append(fit(capture))
+        for k, capture in zip(KS, times, strict=True):
+            times[capture].append(fit(k))
         print(
             f"round {round_}: "
             + ", ".join(

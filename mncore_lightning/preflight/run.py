@@ -97,7 +97,6 @@ class _RecordingStrategy(MNCoreStrategy):
 
     def __init__(self, record: _Record, workdir: Path, **kwargs: Any) -> None:
         super().__init__(codegen_dir=workdir, **kwargs)
-        self.capture = "dynamo"  # the default capture, whatever $MNCORE_CAPTURE says
         self._record = record
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -146,10 +145,6 @@ class _RecordingStrategy(MNCoreStrategy):
                 )
             )
         return result
-
-    def _use_tracer(self, key: Any, signal: Any) -> None:
-        """A hook the Dynamo capture cannot run is refused here (not traced otherwise)."""
-        raise StaticGraphError(f"not one device call on the TorchDynamo capture: {signal.reason}")
 
     def _retrace(self, what: str, reason: str) -> None:
         self._record.retraces.append((_stage_name(self._stage()), what, reason))
