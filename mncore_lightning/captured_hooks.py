@@ -88,6 +88,9 @@ _summary_writer_calls_are_host_code()
 # compiles another device graph, without a re-compile of the Python step.
 _COUNTERS = (
     r".*\['args'\]\[[12]\]$",
+    # the same, as the user's hook names them, in a frame of its own (after a graph break,
+    # Dynamo captures the rest of the hook and its caller as frames of their own)
+    r"^L\['(batch_idx|dataloader_idx)'\]$",
     r".*\._trainer\..*",
     r".*\['args'\]\[0\].*:0",
     r".*\.optim_step_progress\..*",  # a manual step's optimizer-step count (captured_manual.py)

@@ -252,3 +252,22 @@ def test_host_code_under_bf16_mixed_as_on_cpu():
     mn = _fit("mncore", PrintsUnderFp16, epochs=2, precision="bf16-mixed", callbacks=[TrainHook()])
     _assert_same(cpu, mn)
     assert _train_hook(mn).device_calls_per_step > 1
+
+
+class BatchIdxAfterABreak(LitClassifier):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        print(f"batch {batch_idx}")  # the rest of the step is a frame of its own
+        loss = F.cross_entropy(self(x), y) * (1 + batch_idx % 3)
+        self.log("train_loss", loss)
+        return loss
+
+
+def test_batch_idx_after_a_break_is_a_graph_input_as_on_cpu():
+    """After a graph break Dynamo captures the rest of training_step as a frame of its own,
+    whose `batch_idx` is an input from the first step on: no re-compile as it changes."""
+    cpu = _fit("cpu", BatchIdxAfterABreak, epochs=2, batches=6)
+    mn = _fit("mncore", BatchIdxAfterABreak, epochs=2, batches=6, callbacks=[TrainHook()])
+    _assert_same(cpu, mn)
+    assert mn.trainer.strategy.retraces == 0
+    assert _train_hook(mn).device_calls_per_step > 1
