@@ -130,7 +130,8 @@ class CapturedHook:
     optimization); None for forward-only hooks.
     update_options: the keywords of `backward_and_update` (accumulation, clipping, ...).
     manual: for a manual-optimization `training_step`, its markers and host calls
-    (captured_manual.ManualSteps); the step is then one device call, as with `optimizer`.
+    (captured_manual.ManualSteps); the step is then one device call, as with `optimizer`;
+    or its host calls when it runs host-driven (manual_host.HostManualSteps).
     compile_options: the keywords of `Context.compile` for each graph; "codegen_dir" is a
     function giving the folder of the next graph (or None).
     """
@@ -351,8 +352,9 @@ class CapturedHook:
         """A training step with a graph break spans device calls around its backward: an
         error with fullgraph=True; splittable (an automatic step, see _split_update) it runs
         as several device calls, except under 16-mixed (the loss scale is device state);
-        otherwise (a manual step, a steps_per_call group) the make_fx tracer (UseTracer)."""
-        if (self._update is not None or self._manual is not None) and self.frontend.breaks:
+        otherwise (a steps_per_call group) the make_fx tracer (UseTracer). A manual step
+        never gets here with a break (captured_manual.ManualHook runs it host-driven)."""
+        if self._update is not None and self.frontend.breaks:
             breaks = "; ".join(map(str, self.frontend.breaks))
             if self.frontend.fullgraph:
                 raise StaticGraphError(

@@ -31,6 +31,7 @@ _MIRRORED = (
     "compiled_hooks",
     "captured_hooks",
     "captured_groups",
+    "manual_host",
     "captured_manual",
     "strategy",
     "ddp",
