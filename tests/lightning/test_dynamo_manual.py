@@ -80,13 +80,15 @@ def _both_manual(make_model: Any, **kwargs: Any) -> tuple[Run, Run, Captured]:
 _REPORT = re.compile(r"MN-Core: training_step (.*); it runs as (\d+) device calls per step")
 
 
-def host_driven(make_model: Any, caplog: Any, **kwargs: Any) -> tuple[Run, Run, Captured, str]:
+def host_driven(
+    make_model: Any, caplog: Any, mncore_callbacks: Any = (), **kwargs: Any
+) -> tuple[Run, Run, Captured, str]:
     """Fit on cpu and on mncore: the same results; the mncore step ran host-driven on the
     Dynamo capture, said once. Returns both runs, how the step ran, and what was said."""
     cpu = _fit("cpu", make_model, **kwargs)
     captured = Captured()
     with caplog.at_level("INFO", logger="lightning.pytorch"):
-        mn = _fit("mncore", make_model, callbacks=[captured], **kwargs)
+        mn = _fit("mncore", make_model, callbacks=[captured, *mncore_callbacks], **kwargs)
     _assert_same(cpu, mn)
     assert mn.trainer.global_step == cpu.trainer.global_step
     assert "train" not in captured.traced  # never handed to the make_fx tracer

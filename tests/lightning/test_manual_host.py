@@ -13,7 +13,9 @@ capture (not on the make_fx tracer) with the device calls per step it reported o
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
+import lightning as L
 import numpy as np
 import pytest
 import torch
@@ -21,6 +23,8 @@ import torch.nn.functional as F
 
 from mncore_device import StaticGraphError
 from mncore_lightning import MNCoreStrategy
+from mncore_lightning.manual_host import HOST_CALL, HostManualSteps
+from tests.lightning.lightning_testing import ATOL
 from tests.lightning.test_dynamo_capture import _fit, _line_of
 from tests.lightning.test_dynamo_manual import (
     GAN,
@@ -59,10 +63,43 @@ def test_print_and_a_numpy_draw_in_a_manual_step_as_on_cpu(caplog, capsys):
     # the report names the user's lines, not the manual calls run on the host
     for text in ("print(", "rng.normal"):
         assert f"{__file__}:{_line_of(PrintsAndDraws.training_step, text)}" in said, said
-    assert "manual_backward(" not in said and "mncore" not in said.split(";")[0]
+    assert HOST_CALL not in said and "manual_backward(loss)" not in said
     # two graphs (before and after the print) and the update: their forward and backward
     # calls, and the update call
     assert captured.host_calls_per_step == 5
+
+
+@torch.compiler.disable
+def _on_the_host(seen: list, tensor: torch.Tensor) -> None:
+    """Host code that reads a tensor's host value (as a logger's add_histogram does)."""
+    seen.append(tensor.detach().clone())
+
+
+class ReadsWeightsOnTheHost(Manual):
+    """Host code reads a weight before the step's update and after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[torch.Tensor] = []
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        _on_the_host(self.seen, self.net[0].weight)
+        loss = self.loss(batch)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        _on_the_host(self.seen, self.net[0].weight)
+        self.log("train_loss", loss)
+        return loss
+
+
+def test_host_code_reads_the_weights_of_the_step_before_and_after_its_update(caplog):
+    cpu, mn, _, _ = host_driven(ReadsWeightsOnTheHost, caplog, epochs=2, batches=2)
+    assert len(mn.model.seen) == len(cpu.model.seen) == 8
+    for ours, theirs in zip(mn.model.seen, cpu.model.seen, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=ATOL, rtol=0)
+    assert not torch.equal(mn.model.seen[0], mn.model.seen[1])  # the update changed it
 
 
 class GANWithHostCode(GAN):
@@ -204,8 +241,24 @@ class ReadsGradientsToUpdate(Manual):
         return loss
 
 
+class HostDrivenYet(L.Callback):
+    """After each training batch: whether the manual step runs host-driven."""
+
+    def __init__(self) -> None:
+        self.seen: list[bool] = []
+
+    def on_train_batch_end(self, trainer, *args: Any) -> None:
+        [hook] = [h for key, h in trainer.strategy._captured.items() if key[0] == "train"]
+        self.seen.append(isinstance(hook._manual, HostManualSteps))
+
+
 def test_a_step_turning_host_driven_mid_fit_keeps_the_gradients_the_device_held(caplog):
-    _, mn, _, said = host_driven(ReadsGradientsToUpdate, caplog, epochs=2, batches=3)
+    """The weights match cpu's only if the update at batch_idx 1 had batch 0's gradient."""
+    seen = HostDrivenYet()
+    _, mn, _, said = host_driven(
+        ReadsGradientsToUpdate, caplog, epochs=2, batches=3, mncore_callbacks=[seen]
+    )
+    assert seen.seen == [False] + [True] * 5  # one device call, then host-driven
     assert "reads gradients" in said
     assert f"{__file__}:{_line_of(ReadsGradientsToUpdate.training_step, 'p.grad.sum')}" in said
 
