@@ -37,8 +37,8 @@ from tests.lightning.test_dynamo_manual import (
 class PrintsAndDraws(Manual):
     """print and a NumPy draw (noise on the hidden layer) in a manual step."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, net: str = "mlp") -> None:
+        super().__init__(net=net)
         self.rng = np.random.default_rng(0)
 
     def training_step(self, batch, batch_idx):
@@ -67,6 +67,13 @@ def test_print_and_a_numpy_draw_in_a_manual_step_as_on_cpu(caplog, capsys):
     # two graphs (before and after the print) and the update: their forward and backward
     # calls, and the update call
     assert captured.host_calls_per_step == 5
+
+
+def test_batchnorm_statistics_of_a_host_driven_step_as_on_cpu(caplog):
+    """The running statistics are device state the forward calls write (Linear, BatchNorm
+    before the print; ReLU, Linear after it)."""
+    cpu, mn, _, _ = host_driven(lambda: PrintsAndDraws(net="bn"), caplog, epochs=2, batches=2)
+    assert int(mn.model.net[1].num_batches_tracked) == 4
 
 
 @torch.compiler.disable
