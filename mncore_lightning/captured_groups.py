@@ -144,7 +144,7 @@ class CapturedStepGroup(CapturedHook):
     def _compile_graph(self, captured: CapturedGraph) -> Any:
         """Not compiled on its own: a function that defers the graph to the group's call and
         gives placeholders of its outputs' shapes (found by running it on fake tensors)."""
-        self._refuse_host_code(splittable=True)  # fullgraph=True: an error at the line
+        self._refuse_host_code()  # fullgraph=True: an error at the line
         if self.frontend.breaks:
             breaks = "; ".join(map(str, self.frontend.breaks))
             raise _CannotDefer(f"training_step has host code ({breaks})")

@@ -9,8 +9,8 @@ device Context into one static graph.
 
 A training step is ONE device call: Dynamo captures the forward up to a marker
 (`traced_call`) where the step's loss is handed over; when the device graph is traced, the
-marker runs the backward, clipping and the optimizer update (`backward_and_update`, as the
-make_fx path does), which the device graph then holds. Evaluation hooks are forward-only and
+marker runs the backward, clipping and the optimizer update (`backward_and_update`), which the
+device graph then holds. Evaluation hooks are forward-only and
 may have graph breaks: their host code runs between the device calls, as on cpu.
 
 A training step with host code (a graph break: `print`, a NumPy draw, a logger call) runs it
@@ -97,17 +97,6 @@ _COUNTERS = (
 )
 
 
-class UseTracer(Exception):  # noqa: N818 - a signal, not an error the user sees
-    """This hook goes back to the make_fx tracer (compiled_hooks.py), which folds or refuses
-    what the Dynamo path cannot run yet: host code inside a training step under 16-mixed (its
-    loss scale is device state), or a guard other than a list's length that fails again and
-    again. Raised before anything of the call has run."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
 class CapturedHook:
     """One hook of the strategy's LightningModule, captured by Dynamo and run on the device.
 
@@ -115,7 +104,8 @@ class CapturedHook:
     optimization); None for forward-only hooks.
     update_options: the keywords of `backward_and_update` (accumulation, clipping, ...).
     manual: for a manual-optimization `training_step`, its markers and host calls
-    (captured_manual.ManualSteps); the step is then one device call, as with `optimizer`.
+    (captured_manual.ManualSteps); the step is then one device call, as with `optimizer`;
+    or its host calls when it runs host-driven (manual_host.HostManualSteps).
     compile_options: the keywords of `Context.compile` for each graph; "codegen_dir" is a
     function giving the folder of the next graph (or None).
     """
@@ -240,11 +230,10 @@ class CapturedHook:
     def _compile_graph(self, captured: CapturedGraph) -> Callable[[Mapping], Mapping]:
         """Trace one captured graph (with the update, at the marker) into a device function."""
         if self._update is not None and self.frontend.breaks:
-            self._refuse_host_code(splittable=True)
+            self._refuse_host_code()
             # each graph a forward and a backward device call; the marker does nothing
             calls = {self._update: torch.Tensor.detach}
             return DifferentiableGraph(captured, self._split_compile, self._stand_ins, calls)
-        self._refuse_host_code()
         calls = {self._update: self._backward_and_update} if self._update is not None else {}
         manual = self._manual
         if manual is not None:
@@ -321,20 +310,15 @@ class CapturedHook:
 
         return run
 
-    def _refuse_host_code(self, splittable: bool = False) -> None:
-        """A training step with a graph break spans device calls around its backward: an
-        error with fullgraph=True; splittable (an automatic step, see _split_update) it runs
-        as several device calls; otherwise (a manual step, a steps_per_call group) the make_fx
-        tracer (UseTracer)."""
-        if (self._update is not None or self._manual is not None) and self.frontend.breaks:
+    def _refuse_host_code(self) -> None:
+        """fullgraph=True: a training step with a graph break (host code between device
+        calls around its backward) is an error at the break's line."""
+        if self._update is not None and self.frontend.breaks and self.frontend.fullgraph:
             breaks = "; ".join(map(str, self.frontend.breaks))
-            if self.frontend.fullgraph:
-                raise StaticGraphError(
-                    f"fullgraph=True: {self.hook_name} has host code ({breaks}). Where the "
-                    f"first one is:\n{self.frontend.breaks[0].stack}"
-                )
-            if not splittable:
-                raise UseTracer(f"{self.hook_name} has host code: {breaks}")
+            raise StaticGraphError(
+                f"fullgraph=True: {self.hook_name} has host code ({breaks}). Where the "
+                f"first one is:\n{self.frontend.breaks[0].stack}"
+            )
 
     def _split_compile(
         self, function: Callable[[Mapping], Mapping], sample: dict, label: str

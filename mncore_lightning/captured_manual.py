@@ -23,6 +23,10 @@ loss), and the calls run on the host in the step's order, once per call.
 Gradients are device state between calls, None where cpu's are (manual_gradients.py): a
 step that does not zero them (accumulation by hand, `if (batch_idx + 1) % n == 0:
 opt.step()`) adds to the previous step's, as on cpu.
+
+A step that one device call cannot run as cpu does (host code, a read of `p.grad`, a read of
+what a scheduler's `step()` in the step changed) is found while Dynamo captures it, before
+anything of it ran, and runs host-driven from then on (`ManualHook`, manual_host.py).
 """
 
 from __future__ import annotations
@@ -37,10 +41,13 @@ from lightning.pytorch.core.optimizer import do_nothing_closure
 from lightning.pytorch.profilers import PassThroughProfiler
 
 from mncore_device import StaticGraphError
+from mncore_device._source import user_frame
 from mncore_device.capture import CapturedGraph, traced_call
+from mncore_device.capture.autograd_graphs import DifferentiableGraph
 
-from .captured_hooks import CapturedHook, UseTracer
+from .captured_hooks import CapturedHook
 from .manual_gradients import ManualGradients
+from .manual_host import HostDriven, HostManualSteps, readable
 
 _ABSENT = object()
 
@@ -148,9 +155,10 @@ class ManualSteps:
                 self._patches.append((profiler.__dict__, name, _on_host(call, host_calls)))
 
     def check_capture(self, captured: CapturedGraph) -> None:
-        """While Dynamo hands over a graph, what it read that a captured manual step cannot
-        give as cpu would; such a step goes to the make_fx tracer, which traces it with the
-        real values. Dynamo guards what the step read (or makes it a graph input):
+        """While Dynamo hands over a graph, what it read that a one-call manual step cannot
+        give as cpu would; such a step runs host-driven instead (HostDriven, manual_host.py),
+        where the read gives cpu's value. Dynamo guards what the step read (or makes it a
+        graph input):
 
         - a parameter's gradient (`p.grad`, to change or log it between backward and step):
           Dynamo read the host's, None; the gradients exist only in the device graph;
@@ -160,10 +168,8 @@ class ManualSteps:
         read = _reads(captured)
         gradients = sorted(name for name in read if name.endswith(".grad"))
         if gradients:
-            raise UseTracer(
-                f"training_step reads gradients ({', '.join(gradients[:3])}), which a "
-                "captured manual step computes only in the device graph"
-            )
+            names = ", ".join(readable(name) for name in gradients[:3])
+            raise HostDriven(f"reads gradients ({names})", _where(gradients))
         if self._stale_reads is not None:
             stale = sorted(
                 name
@@ -172,10 +178,20 @@ class ManualSteps:
                 and ".step.__closure__" not in name  # the patched step's own cells
             )
             if stale:
-                raise UseTracer(
-                    f"training_step reads {stale[0]} after a scheduler's step(), which a "
-                    "captured manual step runs on the host after the device call"
+                raise HostDriven(
+                    f"reads {readable(stale[0])} after a scheduler's step()", _where(stale)
                 )
+
+    def gradients_to_host(self) -> None:
+        """The gradients the device buffers hold (those that exist, as cpu's p.grad would),
+        handed to the parameters: a step that runs host-driven from now on adds to them."""
+        gradients = self._gradients
+        if not gradients.present:
+            return
+        self.strategy.synchronize()
+        for index in sorted(gradients.present):
+            param = gradients.params[index]
+            param.grad = gradients.buffers[param].detach().clone()
 
     def _marker(self, name: str, work: Callable[..., Any]) -> Callable[..., torch.Tensor]:
         marker = traced_call(f"mncore_manual_{name}", on_capture=self._captured_at)
@@ -424,6 +440,17 @@ def _on_host(
     return record
 
 
+def _where(names: list[str]) -> str | None:
+    """The user's line where Dynamo first guarded one of `names` (while it captures)."""
+    context = torch._guards.TracingContext.try_get()
+    for guard in context.guards_context.dynamo_guards if context else ():
+        if guard.name in names and guard.user_stack:
+            where = user_frame(list(guard.user_stack))
+            if where is not None:
+                return where
+    return None
+
+
 def _reads(captured: CapturedGraph | None) -> set[str]:
     """What the step Dynamo is capturing has read so far: the sources of its guards and of
     its graph's inputs (`captured`'s, or the graph being built)."""
@@ -439,12 +466,79 @@ def _reads(captured: CapturedGraph | None) -> set[str]:
     return read
 
 
+class ManualHook(CapturedHook):
+    """A manual-optimization `training_step`: ONE device call per step (ManualSteps' markers),
+    until Dynamo finds something in it that only the host can run as cpu does (HostDriven:
+    host code, a gradient read, a read after a scheduler's step); from then on, for the rest
+    of the fit, a hook made with `host` (the reason) runs it host-driven (manual_host.py).
+
+    The one-call step is captured with Dynamo's fullgraph (nopython) mode: a graph break is an
+    error before anything of the step ran (Dynamo runs nothing of a frame it could not
+    capture whole), so the step can start again host-driven; with MNCoreStrategy(
+    fullgraph=True) it is the frontend's error naming the line."""
+
+    def __init__(self, strategy: Any, host: str | None = None) -> None:
+        super().__init__(
+            strategy,
+            "training_step",
+            manual=ManualSteps(strategy) if host is None else None,
+            fullgraph=host is None,
+            compile_options=strategy._compile_options("train"),
+        )
+        if host is None:
+            self.frontend.fullgraph = strategy.fullgraph  # whether a break is the user's error
+        else:
+            self._manual = HostManualSteps(self, host)
+
+    def __call__(self, *args: Any) -> Any:
+        host = isinstance(self._manual, HostManualSteps)
+        try:
+            output = super().__call__(*args)
+        except HostDriven as signal:
+            return self._host_driven(signal)(*args)
+        except _NOT_ONE_GRAPH as error:
+            if host:
+                raise
+            stack = list(getattr(error, "real_stack", None) or [])
+            kind = getattr(error, "gb_type", None) or str(error).strip().splitlines()[0]
+            signal = HostDriven(f"cannot be one graph ({kind})", user_frame(stack))
+            return self._host_driven(signal)(*args)
+        if host:
+            self._manual.report()
+        return output
+
+    def _compile_graph(self, captured: CapturedGraph) -> Any:
+        manual = self._manual
+        if isinstance(manual, HostManualSteps):  # a forward and a backward device call
+            manual.note_reads(captured)
+            return DifferentiableGraph(captured, self._split_compile, manual.stand_ins)
+        return super()._compile_graph(captured)  # may find a read only the host can give
+
+    def _host_driven(self, signal: HostDriven) -> ManualHook:
+        """The hook that runs the step host-driven, in this one's place for the rest of the
+        fit, with the gradients the device holds in p.grad; fullgraph=True refuses it."""
+        if self.frontend.fullgraph:
+            raise StaticGraphError(
+                f"fullgraph=True: training_step {signal.reason}, at {signal.where}: it cannot be "
+                "one device call (it would run host-driven, as several device calls with host "
+                "code between them)"
+            )
+        self._manual.gradients_to_host()
+        hook = ManualHook(self.strategy, host=f"{signal.reason} at {signal.where}")
+        hook.batch_specs, hook.batch_shapes = self.batch_specs, self.batch_shapes
+        captured = self.strategy._captured
+        for key, value in list(captured.items()):
+            if value is self:
+                captured[key] = hook
+        return hook
+
+
+# what Dynamo raises, before running anything of the step, for a step it cannot capture as
+# one graph (a graph break in fullgraph mode; a fake-tensor failure, say on a gradient that
+# is None on the host)
+_NOT_ONE_GRAPH = (torch._dynamo.exc.Unsupported, torch._dynamo.exc.TorchRuntimeError)
+
+
 def captured_manual_step(strategy: Any) -> CapturedHook:
     """The strategy's `training_step` under manual optimization, captured by Dynamo."""
-    return CapturedHook(
-        strategy,
-        "training_step",
-        manual=ManualSteps(strategy),
-        fullgraph=strategy.fullgraph,
-        compile_options=strategy._compile_options("train"),
-    )
+    return ManualHook(strategy)

@@ -30,6 +30,7 @@ _MIRRORED = (
     "log_replay",
     "captured_hooks",
     "captured_groups",
+    "manual_host",
     "captured_manual",
     "strategy",
     "ddp",

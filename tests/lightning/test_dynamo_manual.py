@@ -6,11 +6,14 @@ Each test fits a tiny model with accelerator="cpu" and accelerator="mncore" (pre
 seed and batches) and checks every per-step loss, every value handed to a logger, the final
 callback metrics and weights (ATOL = 1e-5) and trainer.global_step (one per opt.step(), as
 Lightning counts in manual optimization), and that the step was captured by Dynamo: no graph
-break, not handed to the make_fx tracer, one device call per training batch.
+break, not handed to the make_fx tracer, one device call per training batch. A step that reads
+what only the host has (its gradients, a learning rate after its scheduler's step) runs
+host-driven instead (manual_host.py; more in test_manual_host.py).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import lightning as L
@@ -28,24 +31,23 @@ from tests.lightning.lightning_testing import (
     loader,
     trainer_kwargs,
 )
-from tests.lightning.test_dynamo_capture import BATCH, Run, _assert_same, _fit
+from tests.lightning.test_dynamo_capture import BATCH, Run, _assert_same, _fit, _line_of
 
 
 class Captured(L.Callback):
     """At the end of training: how the training step ran (before teardown forgets it)."""
 
     def __init__(self) -> None:
-        self.traced: set[Any] = set()
         self.breaks: list[str] = []
         self.calls = 0
         self.batches = 0
+        self.host_calls_per_step: int | None = None  # a host-driven step's (manual_host.py)
 
     def on_train_batch_end(self, *args: Any) -> None:
         self.batches += 1
 
     def on_train_end(self, trainer, module) -> None:
         strategy = trainer.strategy
-        self.traced = set(strategy._traced)
         self.breaks = [
             str(b)
             for key, h in strategy._captured.items()
@@ -53,6 +55,9 @@ class Captured(L.Callback):
             for b in h.frontend.breaks
         ]
         self.calls = strategy.compiled_calls
+        for key, hook in strategy._captured.items():
+            if key[0] == "train":
+                self.host_calls_per_step = getattr(hook._manual, "device_calls_per_step", None)
 
 
 def _both_manual(make_model: Any, **kwargs: Any) -> tuple[Run, Run, Captured]:
@@ -62,12 +67,30 @@ def _both_manual(make_model: Any, **kwargs: Any) -> tuple[Run, Run, Captured]:
     mn = _fit("mncore", make_model, callbacks=[captured], **kwargs)
     _assert_same(cpu, mn)
     assert mn.trainer.global_step == cpu.trainer.global_step
-    assert "train" not in captured.traced and not captured.breaks, (
-        captured.traced,
-        captured.breaks,
-    )
+    assert not captured.breaks, captured.breaks
     assert captured.calls == captured.batches > 0  # one device call per training batch
     return cpu, mn, captured
+
+
+_REPORT = re.compile(r"MN-Core: training_step (.*); it runs as (\d+) device calls per step")
+
+
+def host_driven(
+    make_model: Any, caplog: Any, mncore_callbacks: Any = (), **kwargs: Any
+) -> tuple[Run, Run, Captured, str]:
+    """Fit on cpu and on mncore: the same results; the mncore step ran host-driven on the
+    Dynamo capture, said once. Returns both runs, how the step ran, and what was said."""
+    cpu = _fit("cpu", make_model, **kwargs)
+    captured = Captured()
+    with caplog.at_level("INFO", logger="lightning.pytorch"):
+        mn = _fit("mncore", make_model, callbacks=[captured, *mncore_callbacks], **kwargs)
+    _assert_same(cpu, mn)
+    assert mn.trainer.global_step == cpu.trainer.global_step
+    assert captured.host_calls_per_step is not None  # host-driven
+    said = [m for r in caplog.records if _REPORT.search(m := r.getMessage())]
+    assert len(said) == 1, said
+    assert int(_REPORT.search(said[0]).group(2)) == captured.host_calls_per_step
+    return cpu, mn, captured, said[0]
 
 
 class Manual(LitClassifier):
@@ -364,18 +387,13 @@ class ScalesGradients(Manual):
         return loss
 
 
-def test_a_step_reading_gradients_goes_to_the_tracer_and_trains_as_on_cpu(caplog):
-    """Gradients exist only in the device graph: Dynamo would read the host's (None) and
-    skip the loop silently. The read is found by its guard, and the step traced with make_fx,
-    which says so once."""
-    cpu = _fit("cpu", ScalesGradients, epochs=1, batches=2)
-    captured = Captured()
-    with caplog.at_level("INFO"):
-        mn = _fit("mncore", ScalesGradients, epochs=1, batches=2, callbacks=[captured])
-    _assert_same(cpu, mn)
-    assert "train" in captured.traced
-    said = [r.getMessage() for r in caplog.records if "reads gradients" in r.getMessage()]
-    assert len(said) == 1 and "traced with make_fx" in said[0] and ".grad" in said[0], said
+def test_a_step_reading_gradients_runs_host_driven_as_on_cpu(caplog):
+    """Gradients exist only in a one-call device graph: Dynamo would read the host's (None)
+    and skip the loop silently. The read is found by its guard, and the step runs
+    host-driven (manual_host.py): the gradients are the host's p.grad, as on cpu."""
+    _, _, _, said = host_driven(ScalesGradients, caplog, epochs=1, batches=2)
+    where = f"{__file__}:{_line_of(ScalesGradients.training_step, 'p.grad.mul_')}"
+    assert "reads gradients" in said and where in said, said
 
 
 class ClosureStep(Manual):
@@ -457,12 +475,11 @@ class LogsTheLearningRateAfterItsStep(SchedulerInTheStep):
         return loss
 
 
-def test_the_learning_rate_read_after_a_scheduler_step_in_the_step_as_on_cpu():
-    """The scheduler steps on the host after the device call: a read of what it changes
-    after it, in the same step, would read the value before it; such a step is traced with
-    make_fx, which reads it as on cpu."""
-    cpu = _fit("cpu", LogsTheLearningRateAfterItsStep, epochs=2, batches=2)
-    captured = Captured()
-    mn = _fit("mncore", LogsTheLearningRateAfterItsStep, epochs=2, batches=2, callbacks=[captured])
-    _assert_same(cpu, mn)
-    assert "train" in captured.traced
+def test_the_learning_rate_read_after_a_scheduler_step_in_the_step_as_on_cpu(caplog):
+    """In a one-call step the scheduler steps on the host after the device call: a read of
+    what it changes after it, in the same step, would read the value before it. Such a step
+    runs host-driven, where the scheduler steps at once, as on cpu."""
+    cpu, mn, _, said = host_driven(LogsTheLearningRateAfterItsStep, caplog, epochs=2, batches=2)
+    assert "after a scheduler's step()" in said, said
+    lrs = [values["lr_after"] for _, values in mn.logged if "lr_after" in values]
+    assert lrs == pytest.approx([0.2 * 0.7 ** (i + 1) for i in range(4)], abs=1e-7)

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 from mncore_device import StaticGraphError
 from mncore_lightning import MNCoreStrategy
 from tests.lightning.lightning_testing import ATOL, assert_state_close, trainer_kwargs
+from tests.lightning.test_dynamo_manual import Captured
 
 
 def _fit(accelerator: str, model_cls, data, **overrides):
@@ -193,6 +194,15 @@ class LogsItsSchedulerAfterStepping(PlateauInTheStep):
 
 
 def test_a_scheduler_read_after_its_step_in_a_manual_step_reads_as_on_cpu():
-    (_, cpu), (_, mn) = _both(LogsItsSchedulerAfterStepping, _random_data)
+    """The reads after sch.step() need the scheduler stepped at once: the step runs
+    host-driven on the Dynamo capture (manual_host.py), not on the make_fx tracer."""
+    cpu_trainer, cpu = _fit("cpu", LogsItsSchedulerAfterStepping, _random_data)
+    captured = Captured()
+    mn_trainer, mn = _fit(
+        "mncore", LogsItsSchedulerAfterStepping, _random_data, callbacks=[captured]
+    )
+    assert_state_close(cpu, mn)
+    assert cpu_trainer.global_step == mn_trainer.global_step
     assert mn.lrs == cpu.lrs
     assert {row[0] for row in mn.lrs} == {1.0} and len({row[1] for row in mn.lrs}) > 2
+    assert captured.host_calls_per_step == 3  # the loss's forward and backward, the update
