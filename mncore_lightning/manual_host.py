@@ -77,7 +77,6 @@ class HostManualSteps:
         self.module = module = hook.module
         self.reason = reason
         self.stand_ins = Parameters()
-        self.device_calls_per_step: int | None = None  # measured at the first step
         self._gradients_read: str | None = None  # the first p.grad a graph reads, and where
         self._after_backward = strategy._gradient_reduction()  # data parallel: the average
         self._updates: dict[tuple, Any] = {}  # the update device functions
@@ -161,9 +160,9 @@ class HostManualSteps:
 
     def report(self) -> None:
         """Say once how the step runs: what makes it host-driven, and its device calls."""
-        if self.device_calls_per_step is not None:
+        if self.hook.device_calls_per_step is not None:
             return
-        self.device_calls_per_step = calls = self.hook._device_calls
+        self.hook.device_calls_per_step = calls = self.hook._device_calls
         breaks = [str(b) for b in self.hook.frontend.breaks if not is_host_call(b)]
         found = [f"has host code ({'; '.join(breaks)})"] if breaks else []
         if self._gradients_read is not None:

@@ -42,6 +42,7 @@ from mncore_device.capture import InputKind
 from ..captured_groups import CapturedStepGroup
 from ..captured_hooks import CapturedHook
 from ..data import StepGroup
+from ..manual_host import is_host_call
 from ..strategy import MNCoreStrategy
 from . import graph as graphs
 from .report import DataReport, GraphBreak, GuardedValue, HookReport, Memory, PreflightReport
@@ -350,6 +351,8 @@ def _hook_report(
     by_line: dict[str | None, GraphBreak] = {}
     for hook in hooks:
         for found in hook.frontend.breaks:
+            if is_host_call(found):  # a manual step's optimizer call, run on the host
+                continue
             line = _where_line(found.where)
             by_line[line] = GraphBreak(line, found.reason)
     for found in refused:  # a refusal of what Dynamo saw is reported at its line once

@@ -57,7 +57,7 @@ class Captured(L.Callback):
         self.calls = strategy.compiled_calls
         for key, hook in strategy._captured.items():
             if key[0] == "train":
-                self.host_calls_per_step = getattr(hook._manual, "device_calls_per_step", None)
+                self.host_calls_per_step = hook.device_calls_per_step
 
 
 def _both_manual(make_model: Any, **kwargs: Any) -> tuple[Run, Run, Captured]:
