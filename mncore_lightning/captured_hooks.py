@@ -198,6 +198,7 @@ class CapturedHook:
             on_retrace=self._retraced,
             dynamic_sources=_COUNTERS,
         )
+        self._lists.frame_globals = self.frontend.frame_globals  # module-level lists too
 
     def __call__(self, *args: Any) -> Any:
         manual = self._manual

@@ -13,18 +13,26 @@ failed twice (`adopt`, with Dynamo's guard expression), the attribute holds a fr
 list during each call (`swapped`), which Dynamo's guards see empty every time, and what the
 call appended is added to the real list afterwards, in order. The step must not read such a
 list (its length, its items): during a call it holds that call's appends only.
+
+A module-level list the step appends to (`LOSSES.append(loss)` in the user's module) is
+guarded as `len(G['__import_<module>'].LOSSES)`: `G` is the captured frame's globals, where
+Dynamo keeps the user's module under that alias. Given those globals (`frame_globals`), the
+list is taken out of view the same way, in the module's namespace.
 """
 
 from __future__ import annotations
 
 import contextlib
 import re
+import types
 from collections.abc import Iterator
+from typing import Any
 
 from torch import nn
 
 _LENGTH = re.compile(r"(?:len\((?P<len>.+)\)|not (?P<not>.+))")
 _LAST_ATTRIBUTE = re.compile(r"\.([A-Za-z_]\w*)$")
+_FRAME_GLOBAL = re.compile(r"G\[(?P<key>'[^']+'|\"[^\"]+\")\]\.(?P<name>[A-Za-z_]\w*)")
 
 
 def length_guard(guard: str) -> str | None:
@@ -38,22 +46,42 @@ def length_guard(guard: str) -> str | None:
 class AppendedLists:
     """The lists of `root`'s modules that a captured step appends to (see the module)."""
 
-    def __init__(self, root: nn.Module) -> None:
+    def __init__(self, root: nn.Module, frame_globals: dict[str, Any] | None = None) -> None:
         self._root = root
-        self._found: list[tuple[nn.Module, str]] = []
+        self.frame_globals = frame_globals  # the captured frame's globals (Dynamo's `G`)
+        self._found: list[tuple[Any, str]] = []
 
     def adopt(self, guard: str) -> bool:
         """Take the list whose length guard `guard` keeps failing out of Dynamo's view; False
-        if it is not one attribute list of the modules (or is taken already)."""
+        if it is not one attribute list of the modules or a module-level list (or is taken
+        already)."""
         expression = length_guard(guard)
-        name = _LAST_ATTRIBUTE.search(expression) if expression else None
-        if name is None:
+        if expression is None:
             return False
-        owners = [m for m in self._root.modules() if type(vars(m).get(name.group(1))) is list]
-        if len(owners) != 1 or any(o is owners[0] and n == name.group(1) for o, n in self._found):
+        found = self._module_level(expression)
+        if found is None:
+            name = _LAST_ATTRIBUTE.search(expression)
+            if name is None:
+                return False
+            owners = [m for m in self._root.modules() if type(vars(m).get(name.group(1))) is list]
+            if len(owners) != 1:
+                return False
+            found = owners[0], name.group(1)
+        if any(o is found[0] and n == found[1] for o, n in self._found):
             return False
-        self._found.append((owners[0], name.group(1)))
+        self._found.append(found)
         return True
+
+    def _module_level(self, expression: str) -> tuple[Any, str] | None:
+        """(the module, the name) of a list `G['<alias>'].NAME` in the user's module."""
+        match = _FRAME_GLOBAL.fullmatch(expression)
+        if match is None or self.frame_globals is None:
+            return None
+        owner = self.frame_globals.get(match.group("key")[1:-1])
+        name = match.group("name")
+        if not isinstance(owner, types.ModuleType) or type(vars(owner).get(name)) is not list:
+            return None
+        return owner, name
 
     @property
     def names(self) -> list[str]:

@@ -38,6 +38,7 @@ from torch import fx
 
 from .._source import user_frame
 from ..errors import StaticGraphError
+from .host_random import existing_generators_are_host_code
 from .scalars import ScalarsAsTensors
 
 # Dynamo's settings for a captured step: `.item()` stays in the graph as a value; an int
@@ -96,6 +97,7 @@ def _param_groups_of_any_dict_type() -> None:
 
 
 _param_groups_of_any_dict_type()
+existing_generators_are_host_code()
 
 
 class InputKind(StrEnum):
@@ -334,6 +336,8 @@ class DynamoFrontend:
         # this one (and the guard-failure hook, which the guards of every object they read
         # keep) holds the frontend weakly, so the frontend and its device functions (their
         # device memory, an MLSDK function's codegen directory) go when the caller drops it
+        frame = _own_frame(function)
+        self.frame_globals = frame.__globals__  # Dynamo's `G` in the guards it reports
         self._compiled = torch._dynamo.optimize(
             backend,
             nopython=fullgraph,
@@ -341,7 +345,7 @@ class DynamoFrontend:
             # past max_retraces, _backend raises; Dynamo's own limit (after which it would run
             # the step eagerly, on the host) is never reached
             recompile_limit=max_retraces + 2,
-        )(_own_frame(function))
+        )(frame)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with self._recording_breaks():

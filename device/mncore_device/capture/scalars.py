@@ -173,6 +173,11 @@ class ScalarsAsTensors(fx.Interpreter):
             return args[0]  # a number given as such (a fixed one)
         if target == "item" and isinstance(args[0], torch.Tensor):
             return self._number(self._as_number(args[0].detach()))  # a number has no grad
+        if target == "detach" and self._is_number(args[0]):
+            # Dynamo holds a Python random draw (`random.random()`) as a tensor, so
+            # `x.detach() if isinstance(x, torch.Tensor) else x` detaches it: a number has
+            # no grad, it stays the number
+            return args[0]
         if target == "__round__" and self._is_number(args[0]):
             return self._round(args[0], args[1] if len(args) > 1 else None)
         if any(self._is_number(a) for a in (*args, *kwargs.values())):
