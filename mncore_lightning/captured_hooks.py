@@ -44,6 +44,7 @@ from mncore_device.capture.autograd_graphs import DifferentiableGraph, StandIns
 from mncore_device.capture.dynamo import own_code
 
 from .compiled_hooks import _DerivedLog, _LogCall, _loss_of, backward_and_update
+from .update_logs import recording_update_logs
 
 _LIGHTNING_LOG = LightningModule.log
 
@@ -163,7 +164,8 @@ class CapturedHook:
         self._failed_guards: dict[str, int] = {}  # guard -> the call at which it last failed
         self._calls = 0
         self._lists = AppendedLists(module)  # the lists the hook appends to, once they grow
-        self._derived: dict[tuple[int, str, int | None], Any] = {}  # by log call: see _replay_logs
+        # by log call, with the options it was derived for: see _replay_logs
+        self._derived: dict[tuple[int, str, int | None], tuple[Any, Any]] = {}
         self.batch_specs: dict[str, Any] | None = None
         self.batch_shapes: list[Any] | None = (
             None  # the last batch's, to compare cheaply  # the last batch's (the strategy's)
@@ -172,6 +174,10 @@ class CapturedHook:
         # a training step with host code: each graph a forward and a backward device call,
         # the update one more (see _split_update); the gradients gather in the stand-ins
         self._stand_ins = StandIns()
+        # self.log in configure_gradient_clipping: the TracedStep of the update being traced,
+        # and the last call's (TracedStep, outputs), replayed after the step's own logs
+        self._update_traced: Any = None
+        self._update_logs: tuple[Any, Mapping[str, torch.Tensor]] | None = None
         self._updates: dict[frozenset[str], Any] = {}  # the update's device function, by grads
         self._fused_ran = False  # whether this call's device graph ran the backward and update
         self._device_calls = 0  # device calls this call made
@@ -197,6 +203,7 @@ class CapturedHook:
             max_retraces=strategy.max_retraces,
             on_retrace=self._retraced,
             dynamic_sources=_COUNTERS,
+            on_guard_failure=self._adopt_list,
         )
         self._lists.frame_globals = self.frontend.frame_globals  # module-level lists too
 
@@ -222,6 +229,10 @@ class CapturedHook:
         if manual is not None:
             manual.replay()  # Lightning's bookkeeping of each opt.step(), scheduler steps
         self._replay_logs(self.module, _leading_size(args[0]) if args else None)
+        if self._update_logs is not None:  # logged in configure_gradient_clipping
+            traced, outputs = self._update_logs
+            self._update_logs = None
+            traced.replay(outputs)
         return output
 
     def _run_step(self, args: tuple) -> Any:
@@ -238,18 +249,25 @@ class CapturedHook:
 
     def _replay_logs(self, module: Any, size: int | None) -> None:
         """Each recorded `self.log`, into Lightning. A scalar tensor logged by the same call
-        as at the last step goes straight to its result-collection entry (`_DerivedLog`:
-        ~0.1 ms a value instead of ~0.8 ms through `LightningModule.log`'s checks)."""
+        as at the last step, with the same options, goes straight to its result-collection
+        entry (`_DerivedLog`: ~0.1 ms a value instead of ~0.8 ms through
+        `LightningModule.log`'s checks); options the step computes (`batch_size=n`) may
+        differ from call to call."""
         user_log = getattr(type(module), "log", _LIGHTNING_LOG)  # the module's override, if any
         direct = user_log is _LIGHTNING_LOG
         for index, (name, value, args, kwargs) in enumerate(self._logs.calls):
             if direct and isinstance(value, torch.Tensor) and value.numel() == 1:
                 key = (index, name, size)  # Lightning weighs by the batch's size
-                derived = self._derived.get(key)
-                if derived is None or not derived.replay(module, value):
+                derived, options = self._derived.get(key, (None, None))
+                if (
+                    derived is None
+                    or not _same_options(options, (args, kwargs))
+                    or not derived.replay(module, value)
+                ):
                     call = _LogCall(name, None, None, args, kwargs)
                     log = functools.partial(_LIGHTNING_LOG, module)
-                    self._derived[key] = _DerivedLog.record(module, log, call, value)
+                    derived = _DerivedLog.record(module, log, call, value)
+                    self._derived[key] = derived, (args, kwargs)
                 continue
             user_log(module, name, value, *args, **kwargs)
 
@@ -265,6 +283,14 @@ class CapturedHook:
             raise UseTracer(f"{self.hook_name} re-compiles at every call: {reason}")
         self._failed_guards[guard] = self._calls
         self.strategy._retrace(self.hook_name, reason)
+
+    def _adopt_list(self, reason: str) -> None:
+        """A list's length guard failing again: the list is taken out of Dynamo's view
+        before the step is traced again, so that trace is the one the next calls use
+        (`_retraced` then finds it adopted)."""
+        guard = _guard_of(reason)
+        if guard in self._failed_guards:
+            self._lists.adopt(guard)
 
     @property
     def compile_seconds(self) -> float:
@@ -327,6 +353,7 @@ class CapturedHook:
         options = dict(self._compile_options)
         codegen_dir = options.pop("codegen_dir", None)  # a function giving the folder
         codegen_dir = codegen_dir() if codegen_dir is not None else None
+        self._update_traced = None
         try:
             with torch.inference_mode(False):
                 # a captured graph's replay, or this package's own code around one (a split
@@ -338,12 +365,16 @@ class CapturedHook:
             self.strategy._host_versions.record()
         self.compiled.append(compiled)
         to_host = self.strategy._to_host
+        traced_update = self._update_traced  # its update's logs (recording_update_logs)
+        update_logged = traced_update is not None and bool(traced_update.calls)
 
         def run(inputs: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
             self._device_calls += 1
             outputs = to_host(compiled(inputs))
             if gradients and self.gradient_params:
                 self.gradients = {k: outputs[k] for k in self.gradient_params}
+            if update_logged:
+                self._update_logs = traced_update, outputs
             return outputs
 
         return run
@@ -418,14 +449,17 @@ class CapturedHook:
             param.grad = grad
         self.gradient_params.clear()
         try:
-            return backward_and_update(
-                self.module,
-                self.optimizer,
-                None,
-                self.strategy.precision_plugin.scaler,
-                gradient_params=self.gradient_params if self._return_gradients else None,
-                **self._update_options,
-            )
+            with recording_update_logs(self.module) as traced:
+                gradients = backward_and_update(
+                    self.module,
+                    self.optimizer,
+                    None,
+                    self.strategy.precision_plugin.scaler,
+                    gradient_params=self.gradient_params if self._return_gradients else None,
+                    **self._update_options,
+                )
+            self._update_traced = traced
+            return {**gradients, **traced.outputs}
         finally:
             for param in params:
                 param.grad = None
@@ -451,14 +485,17 @@ class CapturedHook:
         else:
             for param, buffer in accumulate[1].items():
                 param.grad = buffer
-        self._traced_gradients = backward_and_update(
-            self.module,
-            optimizer,
-            loss,
-            self.strategy.precision_plugin.scaler,
-            gradient_params=self.gradient_params if self._return_gradients else None,
-            **self._update_options,
-        )
+        with recording_update_logs(self.module) as traced:
+            gradients = backward_and_update(
+                self.module,
+                optimizer,
+                loss,
+                self.strategy.precision_plugin.scaler,
+                gradient_params=self.gradient_params if self._return_gradients else None,
+                **self._update_options,
+            )
+        self._update_traced = traced
+        self._traced_gradients = {**gradients, **traced.outputs}
         return loss.detach()
 
 
@@ -467,6 +504,16 @@ def _with_detached_loss(output: Any, loss: torch.Tensor) -> Any:
     if isinstance(output, Mapping):
         return {**output, "loss": loss.detach()}
     return loss.detach()
+
+
+def _same_options(recorded: Any, options: tuple[tuple, dict]) -> bool:
+    """Whether a log call's options are those its `_DerivedLog` was recorded with."""
+    if recorded is None:
+        return False
+    try:
+        return bool(recorded[0] == options[0] and recorded[1] == options[1])
+    except (RuntimeError, TypeError):  # an option that does not compare (a tensor, say)
+        return False
 
 
 def _guard_of(reason: str) -> str:

@@ -38,6 +38,7 @@ from torch import fx
 
 from .._source import user_frame
 from ..errors import StaticGraphError
+from .as_tensor import as_tensor_follows_numbers
 from .host_random import existing_generators_are_host_code
 from .scalars import ScalarsAsTensors
 
@@ -98,6 +99,7 @@ def _param_groups_of_any_dict_type() -> None:
 
 _param_groups_of_any_dict_type()
 existing_generators_are_host_code()
+as_tensor_follows_numbers()
 
 
 class InputKind(StrEnum):
@@ -297,6 +299,8 @@ class DynamoFrontend:
     returning what `captured.run` returns (traced into a static graph, say).
     is_state(tensor): whether a tensor the step reads is device state (registered).
     on_retrace(reason): called at each re-compile, with Dynamo's reason.
+    on_guard_failure(reason): called with each failed guard before Dynamo traces the step
+    again (what the step reads may still be changed for that trace).
     dynamic_sources: regular expressions of the sources (as Dynamo names them) of ints that
     change from call to call (step counters): graph inputs from the first capture on, rather
     than after a re-compile (torch.compiler.config.dynamic_sources).
@@ -312,8 +316,10 @@ class DynamoFrontend:
         max_retraces: int = 8,
         on_retrace: Callable[[str], None] | None = None,
         dynamic_sources: Sequence[str] = (),
+        on_guard_failure: Callable[[str], None] | None = None,
     ) -> None:
         self._compile_graph = compile_graph
+        self._on_guard_failure = on_guard_failure
         _configure_dynamo(dynamic_sources)
         self._is_state = is_state
         self._on_retrace = on_retrace or (lambda reason: None)
@@ -380,6 +386,8 @@ class DynamoFrontend:
     def _guard_failed(self, failure: Any) -> None:
         """Dynamo checks the guards of each graph it has (newest first) before it compiles
         again: the reason reported is the newest graph's."""
+        if self._on_guard_failure is not None:
+            self._on_guard_failure(failure.reason)
         newest = _compile_id(self._failed_guard)
         if self._failed_guard is None or _compile_id(failure.reason) >= newest:
             self._failed_guard = failure.reason

@@ -153,6 +153,11 @@ class ScalarsAsTensors(fx.Interpreter):
         numbers = [a for a in (*args, *kwargs.values()) if self._is_number(a)]
         if _is_item(target):
             return self._number(self._as_number(args[0]))
+        if target is torch.select and len(args) == 3 and self._is_number(args[2]):
+            # `table[step]` with a number that changes: an index the graph computes
+            tensor, dim, index = args
+            index = torch.where(index < 0, index + tensor.shape[dim], index).reshape(1)
+            return torch.index_select(tensor, dim, index).squeeze(dim)
         if target is torch.scalar_tensor and self._is_number(args[0]):
             return args[0].to(kwargs.get("dtype") or torch.get_default_dtype())
         if numbers and target is torch.ops.aten._assert_scalar.default:
