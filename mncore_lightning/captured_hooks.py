@@ -41,6 +41,7 @@ from mncore_device import Context, StaticGraphError
 from mncore_device.capture import CapturedGraph, DynamoFrontend, traced_call
 from mncore_device.capture.appended_lists import AppendedLists, length_guard
 from mncore_device.capture.autograd_graphs import DifferentiableGraph, StandIns
+from mncore_device.capture.batch_leaves import BatchStandIns
 from mncore_device.capture.dynamo import own_code
 
 from .compiled_hooks import _DerivedLog, _LogCall, _loss_of, backward_and_update
@@ -242,8 +243,10 @@ class CapturedHook:
         state = self.module.__dict__  # not nn.Module.__setattr__: this runs every step
         state["log"], state["log_dict"] = self._log, self._log_dict
         try:
-            with self._lists.swapped():
-                return self.frontend(*args)
+            # the batch's strings as stand-ins (one class for any value: no re-compile per
+            # batch), their values back where the step left them
+            with BatchStandIns.standing_in(args) as (call, stand_ins), self._lists.swapped():
+                return stand_ins.resolve(self.frontend(*call))
         finally:
             del state["log"], state["log_dict"]
 

@@ -29,6 +29,7 @@ _MIRRORED = (
     "host_sync",
     "python_values",
     "compiled_hooks",
+    "update_logs",  # no Lightning name, but it loads captured_manual, which is mirrored
     "captured_hooks",
     "captured_groups",
     "captured_manual",

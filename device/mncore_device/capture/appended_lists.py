@@ -37,6 +37,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .batch_leaves import BatchStandIns
+
 _LENGTH = re.compile(r"(?:len\((?P<len>.+)\)|not (?P<not>.+))")
 _LAST_ATTRIBUTE = re.compile(r"\.([A-Za-z_]\w*)$")
 _FRAME_GLOBAL = re.compile(r"G\[(?P<key>'[^']+'|\"[^\"]+\")\]\.(?P<name>[A-Za-z_]\w*)")
@@ -200,7 +202,7 @@ class CallAppends:
     def flush(self) -> list:
         """Add the call's appends to the real list (host code, so Dynamo replays the
         appends before it); the real list."""
-        self._real.extend(self.appended)
+        self._real.extend(BatchStandIns.resolve_current(item) for item in self.appended)
         self.appended.clear()
         return self._real
 

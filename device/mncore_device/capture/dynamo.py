@@ -39,6 +39,7 @@ from torch import fx
 from .._source import user_frame
 from ..errors import StaticGraphError
 from .as_tensor import as_tensor_follows_numbers
+from .batch_leaves import isinstance_sees_the_value
 from .host_random import existing_generators_are_host_code
 from .scalars import ScalarsAsTensors
 
@@ -100,6 +101,7 @@ def _param_groups_of_any_dict_type() -> None:
 _param_groups_of_any_dict_type()
 existing_generators_are_host_code()
 as_tensor_follows_numbers()
+isinstance_sees_the_value()
 
 
 class InputKind(StrEnum):
