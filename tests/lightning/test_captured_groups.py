@@ -202,3 +202,20 @@ def test_a_refusal_after_the_first_step_of_a_group_is_an_error():
     first step's Python ran: an error, not the group run twice."""
     with pytest.raises(MisconfigurationException, match=r"steps_per_call=4\): step \d of a group"):
         _fit("mncore", RenamesItselfEveryStep, 4, epochs=1, batches=4)
+
+
+class LogsInGradientClipping(LitClassifier):
+    """Logs the norm it clips in its own configure_gradient_clipping."""
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, **kwargs):
+        self.log("clipped_norm", torch.nn.utils.clip_grad_norm_(self.parameters(), 0.5))
+
+
+def test_a_log_in_gradient_clipping_under_steps_per_call_is_refused():
+    """The group's device call runs each step's update but logs no update's value step by
+    step: an error naming the value, not a lost log (steps_per_call=1 logs it:
+    test_side_effects.py)."""
+    with pytest.raises(
+        MisconfigurationException, match=r"configure_gradient_clipping.*clipped_norm"
+    ):
+        _fit("mncore", LogsInGradientClipping, 2, epochs=1, batches=2)

@@ -3,20 +3,25 @@
 TorchDynamo guards every string the step touches by its value (`args[0][2][0] ==
 'sample0'`), so a batch whose ids or file names change at every batch would compile the step
 again at every batch, even where the step only hands them on (returns them from
-`predict_step`, appends them to a list). `BatchStandIns.standing_in(args)` is the batch with each `str` and
-`bytes` leaf replaced by a `BatchValue`, a fresh object of one class at every call: Dynamo
-guards only that class, so a step that passes them on compiles once. Every use of a stand-in's
-value (comparing, hashing, formatting, `len`, indexing, a method such as `.startswith`,
-`int(...)`, `open(...)`) is host code, a graph break: it runs on the host with this batch's
-value and returns what the value would: a string a method returns (`ids[0]`,
-`name.removeprefix("sample")`) as a stand-in again, a number or a bool as such (Dynamo guards
-it, or makes it a graph input when it changes), and `str()`, `repr()`, `f"{name}"` a plain
-string (which Dynamo guards by its value). After the call the stand-ins are replaced by their values where the step
-left them (`resolve`): in what it returns, in a list it appends to at every call
-(appended_lists.CallAppends), and, found through the garbage collector's referrers (slow, but
-rare: a stand-in kept in an attribute or in a list before it is adopted), anywhere else.
-Inside the step `isinstance(value, str)` of a stand-in is what it is of the value
-(`isinstance_sees_the_value`), in the traced code; `type(value) is str` is False.
+`predict_step`, appends them to a list). `BatchStandIns.standing_in(args)` gives the step its
+batch with each `str` and `bytes` leaf replaced by a stand-in (`BatchStr`, `BatchBytes`), a
+fresh object of one class at every call: Dynamo guards only the class, so a step that passes
+them on compiles once.
+
+Every use of a stand-in's value (comparing, hashing, formatting, `len`, indexing, a method
+such as `.startswith`, `int(...)`, `open(...)`) is host code, a graph break: it runs on the
+host with this batch's value and returns what the value would; a string a method returns
+(`ids[0]`, `name.removeprefix("sample")`) as a stand-in again, a number or a bool as such
+(Dynamo guards it, or makes it a graph input once it changes), and `str()`, `repr()`,
+`f"{name}"` a plain string (which Dynamo guards by its value).
+
+After the call the stand-ins are replaced by their values where the step left them
+(`resolve`): in what it returns, in a list it appends to at every call
+(appended_lists.CallAppends), and anywhere else through the garbage collector's referrers
+(slow, but rare: a stand-in kept in an attribute, or in a list before it is adopted).
+Inside the traced step `isinstance(value, str)` of a stand-in is what it is of the value
+(`isinstance_sees_the_value`); `type(value) is str` is False, and a C function that needs a
+real string (`ord`, `re.match`, `"".join`) needs `str(value)`.
 """
 
 from __future__ import annotations
