@@ -33,6 +33,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -244,6 +245,7 @@ class CapturedStepGroup(CapturedHook):
         options = dict(self._compile_options)
         codegen_dir = options.pop("codegen_dir", None)
         codegen_dir = codegen_dir() if codegen_dir is not None else None
+        self._update_traced = None
         try:
             with torch.inference_mode(False):
                 compiled = self.context.compile(  # replays of captured graphs: traced as they are
@@ -251,6 +253,14 @@ class CapturedStepGroup(CapturedHook):
                 )
         finally:  # tracing restores the host tensors it ran on, which bumps their versions
             self.strategy._host_versions.record()
+        if self._update_traced is not None and self._update_traced.calls:
+            names = ", ".join(repr(call[0]) for call in self._update_traced.calls)
+            raise MisconfigurationException(
+                f"MNCoreStrategy(steps_per_call={len(plan)}): configure_gradient_clipping logs "
+                f"({names}) in the update of each step of a group, which the group's device "
+                "call does not log step by step; use steps_per_call=1, or log in "
+                "training_step."
+            )
         self.compiled.append(compiled)
         return compiled
 

@@ -40,10 +40,12 @@ from mncore_device import Context, StaticGraphError
 from mncore_device.capture import CapturedGraph, DynamoFrontend, traced_call
 from mncore_device.capture.appended_lists import AppendedLists, length_guard
 from mncore_device.capture.autograd_graphs import DifferentiableGraph, StandIns
+from mncore_device.capture.batch_leaves import BatchStandIns
 from mncore_device.capture.dynamo import own_code
 
 from .log_replay import RecordedLogs
 from .update import backward_and_update, loss_of
+from .update_logs import recording_update_logs
 
 
 def _requirement_checks_are_constants() -> None:
@@ -145,6 +147,10 @@ class CapturedHook:
         # a training step with host code: each graph a forward and a backward device call,
         # the update one more (see _split_update); the gradients gather in the stand-ins
         self._stand_ins = StandIns()
+        # self.log in configure_gradient_clipping: the TracedStep of the update being traced,
+        # and the last call's (TracedStep, outputs), replayed after the step's own logs
+        self._update_traced: Any = None
+        self._update_logs: tuple[Any, Mapping[str, torch.Tensor]] | None = None
         self._updates: dict[frozenset[str], Any] = {}  # the update's device function, by grads
         self._fused_ran = False  # whether this call's device graph ran the backward and update
         self._device_calls = 0  # device calls this call made
@@ -170,7 +176,9 @@ class CapturedHook:
             max_retraces=strategy.max_retraces,
             on_retrace=self._retraced,
             dynamic_sources=_COUNTERS,
+            on_guard_failure=self._adopt_list,
         )
+        self._lists.frame_globals = self.frontend.frame_globals  # module-level lists too
 
     def __call__(self, *args: Any) -> Any:
         manual = self._manual
@@ -194,6 +202,10 @@ class CapturedHook:
         if manual is not None:
             manual.replay()  # Lightning's bookkeeping of each opt.step(), scheduler steps
         self._logs.replay(self.module, _leading_size(args[0]) if args else None)
+        if self._update_logs is not None:  # logged in configure_gradient_clipping
+            traced, outputs = self._update_logs
+            self._update_logs = None
+            traced.replay(outputs)
         return output
 
     def _run_step(self, args: tuple) -> Any:
@@ -202,21 +214,27 @@ class CapturedHook:
         state = self.module.__dict__  # not nn.Module.__setattr__: this runs every step
         state["log"], state["log_dict"] = self._log, self._log_dict
         try:
-            with self._lists.swapped():
-                return self.frontend(*args)
+            # the batch's strings as stand-ins (one class for any value: no re-compile per
+            # batch), their values back where the step left them
+            with BatchStandIns.standing_in(args) as (call, stand_ins), self._lists.swapped():
+                return stand_ins.resolve(self.frontend(*call))
         finally:
             del state["log"], state["log_dict"]
 
     def _retraced(self, reason: str) -> None:
         """Report a re-compile, counted against max_retraces (past it an error names the
-        guard). The same guard failing again is a value that changes from call to call: the
-        length of a list the step appends to is then taken out of Dynamo's view from the next
-        call on (AppendedLists); any other value is re-compiled for, as torch.compile would."""
+        guard); a value that changes is re-compiled for, as torch.compile would (a list the
+        step appends to is taken out of Dynamo's view first: _adopt_list)."""
+        self._failed_guards.add(_guard_of(reason))
+        self.strategy._retrace(self.hook_name, reason)
+
+    def _adopt_list(self, reason: str) -> None:
+        """A list's length guard failing again (a list the step appends to at every call):
+        the list is taken out of Dynamo's view (AppendedLists) before the step is traced
+        again, so that trace is the one the next calls use."""
         guard = _guard_of(reason)
         if guard in self._failed_guards:
             self._lists.adopt(guard)
-        self._failed_guards.add(guard)
-        self.strategy._retrace(self.hook_name, reason)
 
     @property
     def logged(self) -> list[str]:
@@ -283,6 +301,7 @@ class CapturedHook:
         options = dict(self._compile_options)
         codegen_dir = options.pop("codegen_dir", None)  # a function giving the folder
         codegen_dir = codegen_dir() if codegen_dir is not None else None
+        self._update_traced = None
         try:
             # anomaly mode records the forward's lines for the backward's ops (the device
             # graph's check names them); its own NaN check would run on the trace's values
@@ -300,12 +319,16 @@ class CapturedHook:
             self.strategy._host_versions.record()
         self.compiled.append(compiled)
         to_host = self.strategy._to_host
+        traced_update = self._update_traced  # its update's logs (recording_update_logs)
+        update_logged = traced_update is not None and bool(traced_update.calls)
 
         def run(inputs: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
             self._device_calls += 1
             outputs = to_host(compiled(inputs))
             if gradients and self.gradient_params:
                 self.gradients = {k: outputs[k] for k in self.gradient_params}
+            if update_logged:
+                self._update_logs = traced_update, outputs
             return outputs
 
         return run
@@ -377,14 +400,17 @@ class CapturedHook:
             param.grad = grad
         self.gradient_params.clear()
         try:
-            return backward_and_update(
-                self.module,
-                self.optimizer,
-                None,
-                self.strategy.precision_plugin.scaler,
-                gradient_params=self.gradient_params if self._return_gradients else None,
-                **self._update_options,
-            )
+            with recording_update_logs(self.module) as traced:
+                gradients = backward_and_update(
+                    self.module,
+                    self.optimizer,
+                    None,
+                    self.strategy.precision_plugin.scaler,
+                    gradient_params=self.gradient_params if self._return_gradients else None,
+                    **self._update_options,
+                )
+            self._update_traced = traced
+            return {**gradients, **traced.outputs}
         finally:
             for param in params:
                 param.grad = None
@@ -410,14 +436,17 @@ class CapturedHook:
         else:
             for param, buffer in accumulate[1].items():
                 param.grad = buffer
-        self._traced_gradients = backward_and_update(
-            self.module,
-            optimizer,
-            loss,
-            self.strategy.precision_plugin.scaler,
-            gradient_params=self.gradient_params if self._return_gradients else None,
-            **self._update_options,
-        )
+        with recording_update_logs(self.module) as traced:
+            gradients = backward_and_update(
+                self.module,
+                optimizer,
+                loss,
+                self.strategy.precision_plugin.scaler,
+                gradient_params=self.gradient_params if self._return_gradients else None,
+                **self._update_options,
+            )
+        self._update_traced = traced
+        self._traced_gradients = {**gradients, **traced.outputs}
         return loss.detach()
 
 

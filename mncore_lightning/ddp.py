@@ -211,9 +211,7 @@ class MNCoreDDPStrategy(CompiledSteps, DDPStrategy):
         super()._register_state()
         self._update_hook = None
 
-    def _captured_training_step(
-        self, args: tuple, manual: bool, window: int, update: bool
-    ) -> Any:
+    def _captured_training_step(self, args: tuple, manual: bool, window: int, update: bool) -> Any:
         """The step captured by TorchDynamo (captured_hooks.py); its SyncBatchNorm layers
         exchange statistics with functional collectives, which Dynamo keeps in its graph.
         A split step's forward+backward leaves the gradients in device buffers; the host

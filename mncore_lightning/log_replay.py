@@ -26,7 +26,7 @@ class RecordedLogs:
         self.calls: list[tuple[str, Any, tuple, dict]] = []
         # what Lightning derived from each scalar log call the first time, by (position in
         # the step, name, batch size): see DerivedLog
-        self._derived: dict[tuple[int, str, int | None], DerivedLog | None] = {}
+        self._derived: dict[tuple[int, str, int | None], tuple[DerivedLog | None, Any]] = {}
 
     def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         if isinstance(value, torch.Tensor):
@@ -39,20 +39,36 @@ class RecordedLogs:
 
     def replay(self, module: Any, size: int | None) -> None:
         """Each recorded call, into Lightning. A scalar tensor logged by the same call as at
-        the last step goes straight to its result-collection entry (DerivedLog: ~0.1 ms a
-        value instead of ~0.8 ms through `LightningModule.log`'s checks). `size`: the batch's
-        leading size (Lightning weighs by the batch size)."""
+        the last step, with the same options, goes straight to its result-collection entry
+        (DerivedLog: ~0.1 ms a value instead of ~0.8 ms through `LightningModule.log`'s
+        checks); options the step computes (`batch_size=n`) may differ from call to call.
+        `size`: the batch's leading size (Lightning weighs by the batch size)."""
         user_log = getattr(type(module), "log", _LIGHTNING_LOG)  # the module's override, if any
         direct = user_log is _LIGHTNING_LOG
         for index, (name, value, args, kwargs) in enumerate(self.calls):
             if direct and isinstance(value, torch.Tensor) and value.numel() == 1:
                 key = (index, name, size)
-                derived = self._derived.get(key)
-                if derived is None or not derived.replay(module, value):
+                derived, options = self._derived.get(key, (None, None))
+                if (
+                    derived is None
+                    or not _same_options(options, (args, kwargs))
+                    or not derived.replay(module, value)
+                ):
                     log = functools.partial(_LIGHTNING_LOG, module)
-                    self._derived[key] = DerivedLog.record(module, log, name, value, args, kwargs)
+                    derived = DerivedLog.record(module, log, name, value, args, kwargs)
+                    self._derived[key] = derived, (args, kwargs)
                 continue
             user_log(module, name, value, *args, **kwargs)
+
+
+def _same_options(recorded: Any, options: tuple[tuple, dict]) -> bool:
+    """Whether a log call's options are those its DerivedLog was recorded with."""
+    if recorded is None:
+        return False
+    try:
+        return bool(recorded[0] == options[0] and recorded[1] == options[1])
+    except (RuntimeError, TypeError):  # an option that does not compare (a tensor, say)
+        return False
 
 
 @dataclass

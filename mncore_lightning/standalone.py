@@ -28,6 +28,7 @@ _MIRRORED = (
     "data",
     "host_sync",
     "log_replay",
+    "update_logs",  # no Lightning name, but it loads captured_manual, which is mirrored
     "captured_hooks",
     "captured_groups",
     "manual_host",

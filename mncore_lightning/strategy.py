@@ -307,9 +307,7 @@ class CompiledSteps:
                 return run_captured_group(self, batch, rest)
             return self._captured_training_step(args, manual, window, update)
 
-    def _captured_training_step(
-        self, args: tuple, manual: bool, window: int, update: bool
-    ) -> Any:
+    def _captured_training_step(self, args: tuple, manual: bool, window: int, update: bool) -> Any:
         """One training step (forward, backward and update) as one device call; a plan
         without the update (`_train_plan`: a split step) leaves the gradients in buffers."""
         trainer = self.lightning_module.trainer

@@ -112,7 +112,7 @@ def _use_fake_mlsdk() -> None:
 
 class CaptureCollector(LossCollector):
     """LossCollector, and which frontend captured the training step (read before the
-    strategy's teardown): "dynamo", or "trace" (make_fx); None on cpu."""
+    strategy's teardown): "dynamo"; None on cpu."""
 
     train_capture: str | None = None
 

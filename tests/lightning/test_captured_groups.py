@@ -1,8 +1,7 @@
 """MNCoreStrategy(steps_per_call=K) on the TorchDynamo capture (captured_groups.py).
 
 Each group of K batches is ONE device call, and each of its steps runs the user's Python as
-a step on cpu does: a value changed by a hook between epochs (a tuple attribute, which the
-make_fx path froze), a branch on global_step that flips inside a group, a tensor a step
+a step on cpu does: a value changed by a hook between epochs (a tuple attribute), a branch on global_step that flips inside a group, a tensor a step
 leaves on the module for the next one. Every test compares with accelerator="cpu" (one step
 per batch, same seed and batches) within ATOL = 1e-5: every value `self.log` received, in
 order, the final callback metrics and the final weights; and checks that the steps ran on
@@ -18,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from mncore_device import StaticGraphError
 from mncore_lightning import MNCoreStrategy
@@ -219,3 +219,20 @@ def test_a_guard_failing_at_every_step_of_a_group_is_refused_past_max_retraces()
     names the guard that keeps failing, with the user's line."""
     with pytest.raises(StaticGraphError, match=r"max_retraces=8.*\.tag == 'step\+*'"):
         _fit("mncore", RenamesItselfEveryStep, 4, epochs=1, batches=16)
+
+
+class LogsInGradientClipping(LitClassifier):
+    """Logs the norm it clips in its own configure_gradient_clipping."""
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, **kwargs):
+        self.log("clipped_norm", torch.nn.utils.clip_grad_norm_(self.parameters(), 0.5))
+
+
+def test_a_log_in_gradient_clipping_under_steps_per_call_is_refused():
+    """The group's device call runs each step's update but logs no update's value step by
+    step: an error naming the value, not a lost log (steps_per_call=1 logs it:
+    test_side_effects.py)."""
+    with pytest.raises(
+        MisconfigurationException, match=r"configure_gradient_clipping.*clipped_norm"
+    ):
+        _fit("mncore", LogsInGradientClipping, 2, epochs=1, batches=2)

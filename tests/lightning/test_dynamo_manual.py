@@ -6,7 +6,7 @@ Each test fits a tiny model with accelerator="cpu" and accelerator="mncore" (pre
 seed and batches) and checks every per-step loss, every value handed to a logger, the final
 callback metrics and weights (ATOL = 1e-5) and trainer.global_step (one per opt.step(), as
 Lightning counts in manual optimization), and that the step was captured by Dynamo: no graph
-break, not handed to the make_fx tracer, one device call per training batch. A step that reads
+break, one device call per training batch. A step that reads
 what only the host has (its gradients, a learning rate after its scheduler's step) runs
 host-driven instead (manual_host.py; more in test_manual_host.py).
 """
@@ -286,8 +286,8 @@ class ScalesFromATuple(Manual):
 
 
 def test_tuple_attribute_changed_by_a_hook_read_by_a_manual_step_as_on_cpu():
-    """The make_fx tracer froze `self.scales` at its first value (MNCORE_CAPTURE=trace trains
-    differently); Dynamo guards it and re-compiles once per new value."""
+    """Dynamo guards `self.scales` and re-compiles once per new value (a trace of the
+    step's Python would have kept its first value)."""
     cpu, mn, _ = _both_manual(ScalesFromATuple, epochs=3, batches=2)
     assert mn.trainer.strategy.retraces == 2
 

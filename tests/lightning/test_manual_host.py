@@ -7,7 +7,7 @@ toggles run on the host (each opt.step() one update device call). Each test fits
 with accelerator="cpu" and "mncore" (preset O0, same seed and batches) and compares every
 per-step loss, every value handed to a logger, the final callback metrics and weights
 (ATOL = 1e-5) and trainer.global_step, and checks that the step ran host-driven on the Dynamo
-capture (not on the make_fx tracer) with the device calls per step it reported once.
+capture with the device calls per step it reported once.
 """
 
 from __future__ import annotations

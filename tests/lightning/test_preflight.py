@@ -284,9 +284,7 @@ def test_a_manual_step_with_host_code_reports_its_break_and_device_calls(caplog)
     (brk,) = train.graph_breaks
     assert brk.line.endswith(_line_of(ManualPrinting, "print("))
     with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
-        make_trainer("mncore", max_epochs=1, limit_train_batches=2).fit(
-            ManualPrinting(), loader()
-        )
+        make_trainer("mncore", max_epochs=1, limit_train_batches=2).fit(ManualPrinting(), loader())
     (said,) = re.findall(r"it runs as (\d+) device calls per step", caplog.text)
     assert train.device_calls_per_step == int(said) > 1
     assert f"| device calls per step | {int(said)} |" in report.to_markdown()

@@ -40,6 +40,9 @@ from torch import fx
 
 from .._source import user_frame
 from ..errors import StaticGraphError
+from .as_tensor import as_tensor_follows_numbers
+from .batch_leaves import isinstance_sees_the_value
+from .host_random import existing_generators_are_host_code
 from .scalars import ScalarsAsTensors
 
 # Dynamo's settings for a captured step: `.item()` stays in the graph as a value; an int
@@ -98,6 +101,9 @@ def _param_groups_of_any_dict_type() -> None:
 
 
 _param_groups_of_any_dict_type()
+existing_generators_are_host_code()
+as_tensor_follows_numbers()
+isinstance_sees_the_value()
 
 
 def _last_lr_is_a_read() -> None:
@@ -369,6 +375,8 @@ class DynamoFrontend:
     returning what `captured.run` returns (traced into a static graph, say).
     is_state(tensor): whether a tensor the step reads is device state (registered).
     on_retrace(reason): called at each re-compile, with Dynamo's reason.
+    on_guard_failure(reason): called with each failed guard before Dynamo traces the step
+    again (what the step reads may still be changed for that trace).
     dynamic_sources: regular expressions of the sources (as Dynamo names them) of ints that
     change from call to call (step counters): graph inputs from the first capture on, rather
     than after a re-compile (torch.compiler.config.dynamic_sources).
@@ -384,8 +392,10 @@ class DynamoFrontend:
         max_retraces: int = 8,
         on_retrace: Callable[[str], None] | None = None,
         dynamic_sources: Sequence[str] = (),
+        on_guard_failure: Callable[[str], None] | None = None,
     ) -> None:
         self._compile_graph = compile_graph
+        self._on_guard_failure = on_guard_failure
         _configure_dynamo(dynamic_sources)
         self._is_state = is_state
         self._on_retrace = on_retrace or (lambda reason: None)
@@ -409,6 +419,8 @@ class DynamoFrontend:
         # this one (and the guard-failure hook, which the guards of every object they read
         # keep) holds the frontend weakly, so the frontend and its device functions (their
         # device memory, an MLSDK function's codegen directory) go when the caller drops it
+        frame = _own_frame(function)
+        self.frame_globals = frame.__globals__  # Dynamo's `G` in the guards it reports
         self._compiled = torch._dynamo.optimize(
             backend,
             nopython=fullgraph,
@@ -416,7 +428,7 @@ class DynamoFrontend:
             # past max_retraces, _backend raises; Dynamo's own limit (after which it would run
             # the step eagerly, on the host) is never reached
             recompile_limit=max_retraces + 2,
-        )(_own_frame(function))
+        )(frame)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with self._recording_breaks():
@@ -451,6 +463,8 @@ class DynamoFrontend:
     def _guard_failed(self, failure: Any) -> None:
         """Dynamo checks the guards of each graph it has (newest first) before it compiles
         again: the reason reported is the newest graph's."""
+        if self._on_guard_failure is not None:
+            self._on_guard_failure(failure.reason)
         newest = _compile_id(self._failed_guard)
         if self._failed_guard is None or _compile_id(failure.reason) >= newest:
             self._failed_guard = failure.reason

@@ -163,6 +163,11 @@ class ScalarsAsTensors(fx.Interpreter):
         numbers = [a for a in (*args, *kwargs.values()) if self._is_number(a)]
         if _is_item(target):
             return self._number(self._as_number(args[0]))
+        if target is torch.select and len(args) == 3 and self._is_number(args[2]):
+            # `table[step]` with a number that changes: an index the graph computes
+            tensor, dim, index = args
+            index = torch.where(index < 0, index + tensor.shape[dim], index).reshape(1)
+            return torch.index_select(tensor, dim, index).squeeze(dim)
         if target is torch.scalar_tensor and self._is_number(args[0]):
             return args[0].to(kwargs.get("dtype") or torch.get_default_dtype())
         if numbers and target is torch.ops.aten._assert_scalar.default:
@@ -183,6 +188,11 @@ class ScalarsAsTensors(fx.Interpreter):
             return args[0]  # a number given as such (a fixed one)
         if target == "item" and isinstance(args[0], torch.Tensor):
             return self._number(self._as_number(args[0].detach()))  # a number has no grad
+        if target == "detach" and self._is_number(args[0]):
+            # Dynamo holds a Python random draw (`random.random()`) as a tensor, so
+            # `x.detach() if isinstance(x, torch.Tensor) else x` detaches it: a number has
+            # no grad, it stays the number
+            return args[0]
         if target == "__round__" and self._is_number(args[0]):
             return self._round(args[0], args[1] if len(args) > 1 else None)
         if any(self._is_number(a) for a in (*args, *kwargs.values())):
