@@ -344,7 +344,6 @@ class Context(ABC):
                 function,
                 inputs,
                 compile_replay,
-                is_state=self.is_registered,
                 codegen_dir=codegen_dir,
                 max_retraces=max_retraces,
             )

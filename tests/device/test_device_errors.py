@@ -20,6 +20,7 @@ from mncore_device import (
     set_buffer_name_in_optimizer,
 )
 from tests.device.device_testing import (
+    CAPTURES,
     classification_batches,
     compile_o0,
     cross_entropy,
@@ -249,16 +250,21 @@ def _nan_in_backward_step(model, optimizer):
     return step
 
 
+@pytest.mark.parametrize("capture", CAPTURES)
 @pytest.mark.parametrize("anomaly", [False, True])
 def test_debug_preset_names_the_forward_line_of_a_backward_op_under_anomaly_mode(
-    context, trainable, anomaly
+    context, trainable, anomaly, capture
 ):
     """The live stack of a backward op is the backward call's; anomaly mode during tracing
-    records each forward op's line, by which the op of its backward is named."""
+    records each forward op's line, by which the op of its backward is named (under
+    TorchDynamo the live stack of a forward op is the replay's: the line is the one Dynamo
+    recorded for its node)."""
     model, optimizer, batches = trainable
     step = _nan_in_backward_step(model, optimizer)
     with torch.autograd.set_detect_anomaly(anomaly, check_nan=False):
-        compiled = context.compile(step, batches[0], options={"option_json": "debug"})
+        compiled = context.compile(
+            step, batches[0], options={"option_json": "debug"}, capture=capture
+        )
     with pytest.raises(NonFiniteError) as info:
         compiled(batches[0])
     message = str(info.value)
