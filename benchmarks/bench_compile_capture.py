@@ -1,5 +1,5 @@
 """`Context.compile` of an MLSDK-style training step, traced by make_fx (capture="trace") and
-captured by TorchDynamo (capture="dynamo"), side by side.
+captured by TorchDynamo (capture="dynamo", the default), side by side.
 
 The step is the MLSDK tutorial's: the 1024-256-10 MLP, batch 64, torch.optim.SGD with
 momentum, `zero_grad`, `loss.backward()`, `step` inside the compiled function. For each mode,

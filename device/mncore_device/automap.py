@@ -90,16 +90,25 @@ def compile_automap(
     """Compile `function(*args, **kwargs)` (see the module docstring)."""
     leaves, input_spec = _flatten(args, kwargs, "compile_automap")
     keys = [f"input_{i}" for i in range(len(leaves))]
-    result_spec: list[Any] = []
+    # the result's structure, noted while the step is captured or traced: written as an
+    # attribute, which TorchDynamo replays without guarding on it (a list it would read and
+    # guard, and capture the step again when the list is no longer empty)
+    result = _ResultStructure()
 
     def step(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         call_args, call_kwargs = pytree.tree_unflatten([batch[k] for k in keys], input_spec)
         result_leaves, spec = pytree.tree_flatten(function(*call_args, **call_kwargs))
-        result_spec[:] = [spec, len(result_leaves)]
+        result.spec = spec
+        result.count = len(result_leaves)
         return {f"output_{i}": leaf for i, leaf in enumerate(result_leaves)}
 
     step.__name__ = getattr(function, "__name__", "function")
     compiled = context.compile(
         step, dict(zip(keys, leaves, strict=True)), codegen_dir, **compile_kwargs
     )
-    return AutomapFunction(compiled, input_spec, *result_spec)
+    return AutomapFunction(compiled, input_spec, result.spec, result.count)
+
+
+class _ResultStructure:
+    spec: Any = None
+    count: int = 0

@@ -46,7 +46,7 @@ def _capture_mode(function: Any, capture: str | None) -> str:
     """How `compile` turns `function` into a graph (see `Context.compile`'s `capture`)."""
     if getattr(function, "_mncore_replay", False):
         return "trace"  # already a captured graph's replay
-    mode = capture or os.environ.get(CAPTURE_ENV) or "trace"
+    mode = capture or os.environ.get(CAPTURE_ENV) or "dynamo"
     if mode not in CAPTURE_MODES:
         raise ValueError(f"compile(capture=...) must be one of {CAPTURE_MODES}, got {mode!r}")
     return mode
@@ -313,12 +313,13 @@ class Context(ABC):
         The keywords are MLSDK's (see `CompileKeywords`); a backend warns once about any it
         cannot honour.
 
-        capture: how `function` becomes a graph. "dynamo": TorchDynamo captures it, every Python
-        value it reads is guarded (a changed one re-compiles, reported, at most `max_retraces`
-        times), and the backend compiles a replay of the captured graph
+        capture: how `function` becomes a graph. "dynamo" (the default): TorchDynamo captures
+        it, every Python value it reads is guarded (a changed one re-compiles, reported, at
+        most `max_retraces` times), and the backend compiles a replay of the captured graph
         (mncore_device.capture.compiled_step). "trace": make_fx traces the function itself
-        (Python reads are frozen at their compile-time values). Default: $MNCORE_DEVICE_CAPTURE,
-        else "trace". A replay of a captured graph is always traced.
+        (Python reads are frozen at their compile-time values), for functions that are
+        already graphs (a framework's own) and before/after comparisons. Default:
+        $MNCORE_DEVICE_CAPTURE, else "dynamo". A replay of a captured graph is always traced.
         """
         self._check_valid("compile")
         keywords = CompileKeywords(
@@ -344,7 +345,6 @@ class Context(ABC):
                 function,
                 inputs,
                 compile_replay,
-                is_state=self.is_registered,
                 codegen_dir=codegen_dir,
                 max_retraces=max_retraces,
             )

@@ -88,6 +88,16 @@ _BOOLEAN_MASK_HINT = "indexes with a boolean mask (x[mask]): the result's shape 
 # (get_decompositions would give the math decomposition, var_mean and rsqrt, which rounds
 # differently and drifts from eager over steps.)
 _DECOMPOSITIONS = {aten.native_batch_norm.default: decompositions.native_batch_norm_decomposition}
+# The same kernels' schemas do not declare that they write the running stats (arguments 3 and
+# 4) when training (argument 5): what the trace guard must snapshot before they run.
+_UNDECLARED_WRITES = {
+    op: lambda args: [a for a in args[3:5] if a is not None] if len(args) > 5 and args[5] else []
+    for op in (
+        aten.native_batch_norm.default,
+        aten.cudnn_batch_norm.default,
+        aten.miopen_batch_norm.default,
+    )
+}
 _PROFILER_OPS = ("_record_function_enter", "_record_function_exit")
 
 
@@ -229,13 +239,15 @@ class _TraceGuard(TorchDispatchMode):
     tensors from outside the step or random draws). A host read of a constant tensor is folded:
     evaluated on its real value, with nothing recorded. A host read of any other traced tensor
     raises StaticGraphError at the user's line. It also snapshots any untraced tensor before
-    its first in-place update, so that tracing has no side effect on tensors that the Context
-    does not know.
+    its first in-place update, and the gradient of any untraced leaf the step computes with
+    (an unregistered parameter, whose backward sets it), so that tracing has no side effect on
+    tensors that the Context does not know.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.grads: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.constant = WeakIdKeyDictionary()
         self.overwritten: set[StorageWeakRef] = set()  # storages written with non-constants
 
@@ -260,6 +272,10 @@ class _TraceGuard(TorchDispatchMode):
             return result
         if func is aten.index.Tensor:
             args = (args[0], self._integer_indices(args[1], tracer), *args[2:])
+        for tensor in tensors:
+            if tensor.requires_grad and tensor.is_leaf and id(tensor) not in self.grads:
+                if not _is_traced(tensor, tracer):
+                    self.grads[id(tensor)] = (tensor, tensor.grad)
         written = self._written(func, args)
         for value in written:
             if not _is_traced(value, tracer):
@@ -300,7 +316,10 @@ class _TraceGuard(TorchDispatchMode):
 
     @staticmethod
     def _written(func, args) -> list[torch.Tensor]:
-        """The tensors that an in-place or out= op writes."""
+        """The tensors that an in-place or out= op writes (BatchNorm's running stats too)."""
+        undeclared = _UNDECLARED_WRITES.get(func)
+        if undeclared is not None:
+            return undeclared(args)
         if not func._schema.is_mutable:
             return []
         # args may stop before the schema's trailing defaulted arguments
@@ -376,7 +395,10 @@ class _TraceGuard(TorchDispatchMode):
         with torch.no_grad():
             for tensor, value in self.saved.values():
                 tensor.copy_(value)
+        for tensor, grad in self.grads.values():
+            tensor.grad = grad
         self.saved.clear()
+        self.grads.clear()
 
 
 def _draw_in_memory_order(func, args, kwargs):
@@ -588,6 +610,11 @@ class _restored:
         self.grads = [t.grad for t in self.tensors]
         self.versions = [t._version for t in self.tensors]
         self.state_keys = [_state_keys(o) for o in self.optimizers]
+        # the optimizers' parameters, registered or not: the step's zero_grad may drop a
+        # gradient before the trace guard first sees the parameter
+        self.parameter_grads = [
+            (p, p.grad) for o in self.optimizers for g in o.param_groups for p in g["params"]
+        ]
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -601,6 +628,8 @@ class _restored:
                     tensor.copy_(value)
                 tensor.grad = grad
         self.guard.restore()
+        for parameter, grad in self.parameter_grads:
+            parameter.grad = grad
         lazy = [
             o for o, k in zip(self.optimizers, self.state_keys, strict=True) if _state_keys(o) != k
         ]

@@ -28,6 +28,8 @@ except ImportError:  # pragma: no cover - depends on the state of the tree
     MNCoreSGD = None
 
 HAS_MNCORE_SGD = MNCoreSGD is not None
+# Context.compile's two ways of making a graph: TorchDynamo (the default) and make_fx
+CAPTURES = ("dynamo", "trace")
 SGD_KINDS = ["torch"] + (["mncore"] if HAS_MNCORE_SGD else [])
 
 Batch = dict[str, torch.Tensor]

@@ -62,10 +62,11 @@ def _frontend(step, context: Context, calls=None, **kwargs) -> DynamoFrontend:
     compiled = []
 
     def compile_graph(captured):
-        function = context.compile(
-            lambda inputs: captured.run(inputs, calls or {}),
+        function = context.compile(  # a replay of the captured graph: traced, as the
+            lambda inputs: captured.run(inputs, calls or {}),  # frameworks' backends do
             captured.sample(),
             options={"option_json": "O0"},
+            capture="trace",
         )
         compiled.append((captured, function))
         return function

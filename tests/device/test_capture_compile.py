@@ -1,4 +1,4 @@
-"""`Context.compile(..., capture="dynamo")`: an MLSDK-style step captured by TorchDynamo.
+"""`Context.compile(...)`: an MLSDK-style step captured by TorchDynamo (the default).
 
 The step is written as PFN's MLSDK scripts write it (zero_grad, forward, `loss.backward()`,
 `optimizer.step()` of torch.optim optimizers), compiled once, and compared with the same step
@@ -10,8 +10,12 @@ graph, never the user's function.
 
 from __future__ import annotations
 
+import math
+import runpy
+import textwrap
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -31,6 +35,7 @@ from tests.device.device_testing import (
 
 O0 = {"option_json": "O0"}
 SCALE = 1.0  # a global the step reads (changed by a test)
+OFFSET = torch.zeros(2)  # a global tensor the step reads (replaced by a test)
 
 
 def small_model() -> nn.Module:
@@ -49,7 +54,7 @@ def mlsdk_step(model: nn.Module, optimizer: torch.optim.Optimizer):
 
 
 def compile_dynamo(context: Context, step, sample, **kwargs) -> CapturedFunction:
-    compiled = context.compile(step, sample, options=O0, capture="dynamo", **kwargs)
+    compiled = context.compile(step, sample, options=O0, **kwargs)  # the default: Dynamo
     assert isinstance(compiled, CapturedFunction)
     return compiled
 
@@ -208,6 +213,123 @@ def test_a_changed_closure_cell_is_not_frozen(context):
         train_both(context, compiled, eager, model, reference, batches[1:])
 
 
+class _Knobs:
+    """Values a step reads from a plain object: a tuple and a NumPy scalar."""
+
+    def __init__(self) -> None:
+        self.pair = (1.0, 2.0)
+        self.np_scale = np.float64(0.5)
+
+
+def _knob_step(model, optimizer, knobs):
+    def step(inputs):
+        optimizer.zero_grad()
+        group = optimizer.param_groups[0]
+        logits = model(inputs["x"]) * knobs.pair[1] * float(knobs.np_scale)
+        loss = F.cross_entropy(logits, inputs["t"]) * math.sqrt(group["lr"] * 10)
+        loss.backward()
+        optimizer.step()
+        return {"loss": loss}
+
+    return step
+
+
+def test_tuple_numpy_and_learning_rate_reads_follow_their_values(context):
+    """A tuple attribute, a NumPy scalar and `math.sqrt(group["lr"])`: after each change the
+    compiled step computes what eager does (re-compiled, reported at the user's line, or
+    the value is a device input)."""
+    model = small_model()
+    reference = twin(model)
+    optimizer = make_sgd(model.parameters(), lr=0.1, momentum=0.9)
+    eager_optimizer = make_sgd(reference.parameters(), lr=0.1, momentum=0.9)
+    register(context, model, optimizer)
+    knobs, eager_knobs = _Knobs(), _Knobs()
+    batches = classification_batches(7, 8, 4, 2)
+    compiled = compile_dynamo(context, _knob_step(model, optimizer, knobs), batches[0])
+    eager = _knob_step(reference, eager_optimizer, eager_knobs)
+    changes = [
+        lambda k, o: setattr(k, "pair", (1.0, 3.0)),
+        lambda k, o: setattr(k, "np_scale", np.float64(0.25)),
+        lambda k, o: o.param_groups[0].update(lr=0.05),
+        lambda k, o: setattr(k, "pair", (1.0, 0.5)),
+        lambda k, o: setattr(k, "np_scale", np.float64(2.0)),
+        lambda k, o: o.param_groups[0].update(lr=0.02),
+    ]
+    train_both(context, compiled, eager, model, reference, batches[:1])
+    for change, batch in zip(changes, batches[1:], strict=True):
+        change(knobs, optimizer)
+        change(eager_knobs, eager_optimizer)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", RecompileWarning)
+            train_both(context, compiled, eager, model, reference, [batch])
+        for warning in caught:
+            if issubclass(warning.category, RecompileWarning):
+                assert "test_capture_compile.py" in str(warning.message)
+    assert 1 <= len(compiled.retraces) <= len(changes)
+
+
+def test_a_tensor_the_step_reads_that_is_replaced_becomes_an_input_naming_it(context):
+    """A tensor the step reads besides its inputs is device memory: changed in place it is
+    uploaded again; replaced by another tensor, it is an input of every call from then on
+    (one re-compile, reported, naming it), as a number that changes is."""
+    global OFFSET
+    model = small_model()
+    register(context, model)
+    batch = classification_batches(1, 8, 4, 2)[0]
+
+    def step(inputs):
+        return {"y": model(inputs["x"]) + OFFSET}
+
+    def expected():
+        with torch.no_grad():
+            return step(batch)["y"]
+
+    try:
+        compiled = compile_dynamo(context, step, batch)
+        assert torch.equal(compiled(batch)["y"], expected())
+        OFFSET.add_(1.0)  # in place: the device constant follows, no re-compile
+        assert torch.equal(compiled(batch)["y"], expected()) and compiled.retraces == []
+        OFFSET = torch.full((2,), -3.0)
+        with pytest.warns(RecompileWarning, match=r"OFFSET is another tensor.*every call"):
+            assert torch.equal(compiled(batch)["y"], expected())
+        for value in range(3):
+            OFFSET = torch.full((2,), float(value))
+            assert torch.equal(compiled(batch)["y"], expected())
+        assert len(compiled.retraces) == 1 and len(compiled.functions) == 2
+    finally:
+        OFFSET = torch.zeros(2)
+
+
+def test_a_parameter_replaced_at_every_call_stops_at_max_retraces_naming_it(context):
+    """A replaced parameter stays device state (it trains), compiled again on the new one."""
+    model = small_model()
+    optimizer = make_sgd(model.parameters(), momentum=0.0)
+    register(context, model, optimizer)
+    batch = classification_batches(1, 8, 4, 2)[0]
+    compiled = compile_dynamo(context, mlsdk_step(model, optimizer), batch, max_retraces=2)
+    compiled(batch)
+    with pytest.raises(StaticGraphError, match=r"max_retraces=2.*'bias'.*another tensor"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the re-compiles, the unregistered parameter
+            for _ in range(3):
+                model[2].bias = nn.Parameter(torch.zeros(2))
+                optimizer.param_groups[0]["params"][-1] = model[2].bias
+                compiled(batch)
+
+
+def test_other_strides_or_requires_grad_of_an_input_do_not_recompile(context):
+    """The device takes contiguous inputs without autograd history: so does the capture."""
+    model = small_model()
+    register(context, model)
+    batch = classification_batches(1, 8, 4, 2)[0]
+    compiled = compile_dynamo(context, lambda b: {"y": model(b["x"])}, {"x": batch["x"]})
+    with torch.no_grad():
+        expected = model(batch["x"])
+    for x in (batch["x"].t().contiguous().t(), batch["x"].clone().requires_grad_()):
+        assert torch.equal(compiled({"x": x})["y"], expected)
+    assert compiled.retraces == [] and len(compiled.functions) == 1
+
+
 def test_a_read_that_changes_at_every_call_stops_at_max_retraces_naming_it(context):
     mode = {"activation": "relu"}
     model = small_model()
@@ -272,22 +394,85 @@ def test_host_control_flow_on_a_value_names_the_line(context):
     assert f"test_capture_compile.py:{line_of(step, 'if out.sum()')}" in str(info.value)
 
 
-def test_trace_stays_the_default_and_replays_are_traced(context, monkeypatch):
+def test_dynamo_is_the_default_trace_the_option_and_replays_are_traced(context, monkeypatch):
     model = small_model()
     register(context, model)
     batch = classification_batches(1, 8, 4, 2)[0]
+
+    def forward(inputs):
+        return {"y": model(inputs["x"])}
+
     monkeypatch.delenv("MNCORE_DEVICE_CAPTURE", raising=False)
-    traced = context.compile(lambda inputs: {"y": model(inputs["x"])}, batch, options=O0)
-    assert not isinstance(traced, CapturedFunction)
-    monkeypatch.setenv("MNCORE_DEVICE_CAPTURE", "dynamo")
-    captured = context.compile(lambda inputs: {"y": model(inputs["x"])}, batch, options=O0)
+    captured = context.compile(forward, batch, options=O0)
     assert isinstance(captured, CapturedFunction)
+    (function,) = captured.functions  # what the backend compiled: the replay, traced
+    assert not isinstance(function, CapturedFunction)
+    traced = context.compile(forward, batch, options=O0, capture="trace")
+    assert not isinstance(traced, CapturedFunction)
+    monkeypatch.setenv("MNCORE_DEVICE_CAPTURE", "trace")  # before/after measurements
+    assert not isinstance(context.compile(forward, batch, options=O0), CapturedFunction)
+    explicit = context.compile(forward, batch, options=O0, capture="dynamo")
+    assert isinstance(explicit, CapturedFunction)
     with torch.no_grad():
         expected = model(batch["x"])
-    assert torch.equal(captured(batch)["y"], expected)
-    assert torch.equal(traced(batch)["y"], expected)
+    for compiled in (captured, traced, explicit):
+        assert torch.equal(compiled(batch)["y"], expected)
     with pytest.raises(ValueError, match="capture"):
         context.compile(lambda inputs: inputs, batch, capture="jit")
+
+
+# --- scripts run one after another in one process ----------------------------------------------
+
+_SCRIPT = """
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from mncore_device import (
+        Context, MNDevice, set_buffer_name_in_optimizer, set_tensor_name_in_module,
+    )
+
+    torch.manual_seed({seed})
+    {name} = nn.Sequential(nn.Linear(4, {hidden}), nn.ReLU(), nn.Linear({hidden}, 2))
+    reference = copy.deepcopy({name})
+    optimizer = torch.optim.SGD({name}.parameters(), lr=0.1)
+    context = Context(MNDevice("pfvm:cpu"))
+    Context.switch_context(context)
+    set_tensor_name_in_module({name}, "{name}")
+    for p in {name}.parameters():
+        context.register_param(p)
+
+    def train_step(inp):
+        optimizer.zero_grad()
+        loss = F.cross_entropy({name}(inp["x"]), inp["t"])
+        loss.backward()
+        optimizer.step()
+        return {{"loss": loss}}
+
+    batch = {{"x": torch.randn(8, 4), "t": torch.randint(0, 2, (8,))}}
+    compiled = context.compile(train_step, batch, options={{"option_json": "O0"}})
+    losses = [compiled(batch)["loss"].item() for _ in range(3)]
+    context.synchronize()
+    {name}, trained = reference, {name}  # the eager step reads the global {name}
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    assert losses == [train_step(batch)["loss"].item() for _ in range(3)], losses
+    assert all(torch.equal(a, b) for a, b in zip(trained.parameters(), reference.parameters()))
+"""
+
+
+def test_two_scripts_run_one_after_another_in_one_process(tmp_path):
+    """runpy (as tests, notebooks and `python -m` do) runs each script as a new module named
+    `__main__`: the second script's step reads its own globals, not the first's (Dynamo once
+    looked the module up through a cache that kept the first `__main__` it found)."""
+    for index, (name, hidden) in enumerate([("net", 3), ("model", 5)]):
+        script = tmp_path / f"script_{index}.py"
+        code = _SCRIPT.format(seed=index, name=name, hidden=hidden)
+        script.write_text(textwrap.dedent(code))
+        names = runpy.run_path(str(script), run_name="__main__")
+        assert isinstance(names["compiled"], CapturedFunction)
+        assert names["compiled"].retraces == []
 
 
 # --- the MLSDK backend receives a replay --------------------------------------------------------
@@ -326,9 +511,7 @@ def test_the_mlsdk_backend_receives_a_replay_of_the_captured_graph(monkeypatch, 
 
             monkeypatch.setattr(sdk_context, "compile", recording)
         sample = {"x": torch.ones(1, 10)}
-        compiled = context.compile(
-            train_step, sample, storage.path(codegen_dir), options=O0, capture="dynamo"
-        )
+        compiled = context.compile(train_step, sample, storage.path(codegen_dir), options=O0)
         losses = [compiled(sample)["loss"].item() for _ in range(5)]
         context.synchronize()
         assert received == [] or received[0] is not train_step

@@ -263,12 +263,15 @@ def test_o1_computes_an_add_with_alpha_after_a_matmul_as_eager(context):
     torch.testing.assert_close(compiled(batch)["out"], step(batch)["out"], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("capture", ["trace", "dynamo"])
 @pytest.mark.parametrize("preset, generated", [("O0", 1), ("debug", 0)])
 def test_a_compile_generates_the_graphs_python_code_at_most_once(
-    context, monkeypatch, preset, generated
+    context, monkeypatch, preset, generated, capture
 ):
     """Each graph pass used to regenerate the whole graph's Python code (seconds for a large
-    model): now only the O0 executor, which runs that code, has it generated, once."""
+    model): now only the O0 executor, which runs that code, has it generated, once (and
+    TorchDynamo the code of the graph it captures, once)."""
+    generated += capture == "dynamo"
     calls = []
     real = torch.fx.GraphModule.recompile
     monkeypatch.setattr(
@@ -286,7 +289,7 @@ def test_a_compile_generates_the_graphs_python_code_at_most_once(
         return {"loss": loss}
 
     batch = {"x": torch.randn(5, 3)}
-    compiled = context.compile(step, batch, options={"option_json": preset})
+    compiled = context.compile(step, batch, options={"option_json": preset}, capture=capture)
     assert len(calls) == generated
     expected = model(batch["x"]).square().mean()
     torch.testing.assert_close(compiled(batch)["loss"], expected)

@@ -20,6 +20,7 @@ from mncore_device import (
     set_buffer_name_in_optimizer,
 )
 from tests.device.device_testing import (
+    CAPTURES,
     classification_batches,
     compile_o0,
     cross_entropy,
@@ -64,9 +65,7 @@ def test_branch_on_loss_fails_at_compile_time_with_the_line(context, trainable):
     assert "torch.where" in str(info.value)
 
 
-def test_item_in_the_step_fails_at_compile_time_with_the_line(context, trainable):
-    model, optimizer, batches = trainable
-
+def _item_step(model, optimizer):
     def step(batch):
         optimizer.zero_grad()
         loss = F.cross_entropy(model(batch["x"]), batch["t"])
@@ -74,9 +73,28 @@ def test_item_in_the_step_fails_at_compile_time_with_the_line(context, trainable
         optimizer.step()
         return {"loss": torch.tensor(loss.item())}
 
+    return step
+
+
+def test_item_in_the_step_fails_at_compile_time_with_the_line(context, trainable):
+    """make_fx would bake the traced batch's value into the graph: refused."""
+    model, optimizer, batches = trainable
+    step = _item_step(model, optimizer)
     with pytest.raises(StaticGraphError) as info:
-        compile_o0(context, step, batches[0])
+        compile_o0(context, step, batches[0], capture="trace")
     assert f"{HERE}:{line_of(step, 'loss.item()')}" in str(info.value)
+
+
+def test_item_in_the_step_is_a_value_of_the_graph_under_dynamo(context, trainable):
+    """TorchDynamo keeps `.item()` in the graph: every call returns its own batch's loss."""
+    model, optimizer, batches = trainable
+    reference = twin(model)
+    compiled = compile_o0(context, _item_step(model, optimizer), batches[0])
+    losses = device_train(compiled, batches)
+    expected = eager_train(
+        reference, make_sgd(reference.parameters(), 0.1, 0.9), cross_entropy, batches
+    )
+    assert losses == expected and len(set(losses)) == len(batches)
 
 
 HOST_COPIES = {
@@ -90,8 +108,8 @@ HOST_COPIES = {
 def test_host_copies_of_a_traced_tensor_fail_at_compile_time_with_the_line(
     context, trainable, source
 ):
-    """.tolist() and .numpy() read values without going through dispatch: refused as .item()
-    is, instead of baking the trace-time batch into the graph."""
+    """.tolist() and .numpy() read values without going through dispatch: make_fx refuses
+    them as .item(), instead of baking the trace-time batch into the graph."""
     model, optimizer, batches = trainable
     read = HOST_COPIES[source]
 
@@ -99,8 +117,32 @@ def test_host_copies_of_a_traced_tensor_fail_at_compile_time_with_the_line(
         step = training_step(
             model, optimizer, lambda m, b: cross_entropy(m, {**b, "x": read(b["x"])})
         )
-        compile_o0(context, step, batches[0])
+        compile_o0(context, step, batches[0], capture="trace")
     assert f"{HERE}:{line_of(HOST_COPIES[source], source)}" in str(info.value)
+
+
+@pytest.mark.parametrize("source", list(HOST_COPIES))
+def test_host_copies_of_a_tensor_under_dynamo_match_eager_or_name_the_line(
+    context, trainable, source
+):
+    """TorchDynamo traces NumPy on tensors into the graph (every call its own batch, as
+    eager); `.tolist()` it cannot keep in one graph: refused at the line."""
+    model, optimizer, batches = trainable
+    reference = twin(model)
+    read = HOST_COPIES[source]
+
+    def loss_fn(m, b):
+        return cross_entropy(m, {**b, "x": read(b["x"])})
+
+    step = training_step(model, optimizer, loss_fn)
+    if source == "tolist":
+        with pytest.raises(StaticGraphError) as info:
+            compile_o0(context, step, batches[0])
+        assert f"{HERE}:{line_of(HOST_COPIES[source], source)}" in str(info.value)
+        return
+    losses = device_train(compile_o0(context, step, batches[0]), batches)
+    expected = eager_train(reference, make_sgd(reference.parameters(), 0.1, 0.9), loss_fn, batches)
+    assert losses == expected and len(set(losses)) == len(batches)
 
 
 HOST_DRAWS = {
@@ -114,7 +156,7 @@ HOST_DRAWS = {
 def test_python_and_numpy_random_draws_fail_at_compile_time_with_the_line(
     context, trainable, source
 ):
-    """A host draw would happen once, at trace time (a mixup lambda frozen for every step)."""
+    """make_fx would draw once, at trace time (a mixup lambda frozen for every step)."""
     model, optimizer, batches = trainable
     draw = HOST_DRAWS[source]
 
@@ -122,10 +164,37 @@ def test_python_and_numpy_random_draws_fail_at_compile_time_with_the_line(
         step = training_step(
             model, optimizer, lambda m, b: cross_entropy(m, {**b, "x": b["x"] * draw()})
         )
-        compile_o0(context, step, batches[0])
+        compile_o0(context, step, batches[0], capture="trace")
     assert f"{HERE}:{line_of(HOST_DRAWS[source], source)}" in str(info.value)
     assert isinstance(random.random(), float)  # the generators are back after the trace
     assert isinstance(np.random.rand(), float)
+
+
+@pytest.mark.parametrize("source", list(HOST_DRAWS))
+def test_python_random_draws_follow_eager_under_dynamo_numpy_draws_name_the_line(
+    context, trainable, source
+):
+    """TorchDynamo draws Python's random numbers on the host before each call of the graph
+    (the compile itself draws none: the sequence is eager's); NumPy's draws it cannot keep
+    in one graph: refused at the line."""
+    model, optimizer, batches = trainable
+    reference = twin(model)
+    draw = HOST_DRAWS[source]
+
+    def loss_fn(m, b):
+        return cross_entropy(m, {**b, "x": b["x"] * draw()})
+
+    step = training_step(model, optimizer, loss_fn)
+    if source != "random.random":
+        with pytest.raises(StaticGraphError) as info:
+            compile_o0(context, step, batches[0])
+        assert f"{HERE}:{line_of(HOST_DRAWS[source], source)}" in str(info.value)
+        return
+    random.seed(0)
+    losses = device_train(compile_o0(context, step, batches[0]), batches)
+    random.seed(0)
+    expected = eager_train(reference, make_sgd(reference.parameters(), 0.1, 0.9), loss_fn, batches)
+    assert losses == expected
 
 
 def test_a_private_torch_generator_fails_at_compile_time_with_the_line(context, trainable):
@@ -137,6 +206,9 @@ def test_a_private_torch_generator_fails_at_compile_time_with_the_line(context, 
         return cross_entropy(m, {**b, "x": b["x"] + torch.randn(b["x"].shape, generator=generator)})
 
     with pytest.raises(StaticGraphError, match="torch.Generator") as info:
+        compile_o0(context, training_step(model, optimizer, noisy), batches[0], capture="trace")
+    assert f"{HERE}:{line_of(noisy, 'generator=generator')}" in str(info.value)
+    with pytest.raises(StaticGraphError) as info:  # TorchDynamo refuses it too, at the line
         compile_o0(context, training_step(model, optimizer, noisy), batches[0])
     assert f"{HERE}:{line_of(noisy, 'generator=generator')}" in str(info.value)
 
@@ -173,12 +245,25 @@ def test_a_print_in_the_step_warns_once_that_it_runs_at_trace_time(context, caps
         return {"y": batch["x"] * 2}
 
     with pytest.warns(UserWarning, match=r"print\(\) in the compiled step at .*runs once") as w:
-        compiled = compile_o0(context, step, {"x": torch.ones(2)})
+        compiled = compile_o0(context, step, {"x": torch.ones(2)}, capture="trace")
     assert [str(r.message).count(f"{HERE}:{line_of(step, 'print(')}") for r in w] == [1]
     compiled({"x": torch.ones(2)})
     assert capsys.readouterr().out.count("again") == 1  # printed at trace time only
     print("after the trace")  # print is itself again
     assert capsys.readouterr().out == "after the trace\n"
+
+
+def test_a_print_in_the_step_is_refused_at_its_line_under_dynamo(context, capsys):
+    """TorchDynamo would run a print between two device calls: a compiled function is one."""
+
+    def step(batch):
+        print("x", batch["x"].sum())
+        return {"y": batch["x"] * 2}
+
+    with pytest.raises(StaticGraphError, match="print") as info:
+        compile_o0(context, step, {"x": torch.ones(2)})
+    assert f"{HERE}:{line_of(step, 'print(')}" in str(info.value)
+    assert capsys.readouterr().out == ""  # nothing ran
 
 
 # --- the debug preset ---------------------------------------------------------------------
@@ -249,16 +334,21 @@ def _nan_in_backward_step(model, optimizer):
     return step
 
 
+@pytest.mark.parametrize("capture", CAPTURES)
 @pytest.mark.parametrize("anomaly", [False, True])
 def test_debug_preset_names_the_forward_line_of_a_backward_op_under_anomaly_mode(
-    context, trainable, anomaly
+    context, trainable, anomaly, capture
 ):
     """The live stack of a backward op is the backward call's; anomaly mode during tracing
-    records each forward op's line, by which the op of its backward is named."""
+    records each forward op's line, by which the op of its backward is named (under
+    TorchDynamo the live stack of a forward op is the replay's: the line is the one Dynamo
+    recorded for its node)."""
     model, optimizer, batches = trainable
     step = _nan_in_backward_step(model, optimizer)
     with torch.autograd.set_detect_anomaly(anomaly, check_nan=False):
-        compiled = context.compile(step, batches[0], options={"option_json": "debug"})
+        compiled = context.compile(
+            step, batches[0], options={"option_json": "debug"}, capture=capture
+        )
     with pytest.raises(NonFiniteError) as info:
         compiled(batches[0])
     message = str(info.value)

@@ -197,6 +197,8 @@ def test_train_example_matches_the_emulator(mlsdk, tmp_path):
     assert compiled["keyword"] == "codegen_dir"
     assert compiled["codegen_dir"] == str(tmp_path / "mlsdk")
     assert compiled["options"] == {"option_json": str(fake.PRESET_DIR / "O0.json")}
+    assert compiled["replay"] is True  # captured by TorchDynamo: MLSDK gets the replay
+    assert names(mlsdk, "Context.compile") == ["Context.compile"]  # one graph, one call a step
     assert names(mlsdk, "CompiledFunction.__call__") == ["CompiledFunction.__call__"] * 10
     assert names(mlsdk, "MNCoreSGD") == ["MNCoreSGD"]  # MLSDK's optimizer did the update
     assert names(mlsdk)[-1] == "Context.synchronize"
@@ -209,6 +211,7 @@ def test_add_example(mlsdk, tmp_path):
     assert isinstance(result["out"], mlsdk.TensorProxy)  # MLSDK's proxies, as on MLSDK
     torch.testing.assert_close(result["out"].cpu(), torch.full((3, 4), 2.0))
     call = mlsdk.call_log[index_of(mlsdk, "Context.compile")].args
+    assert call["replay"] is True
     assert call["options"]["float_dtype"] == "float"  # MLSDK options pass through
     assert call["cache_dir"] == str(tmp_path / "cache")
     assert call["inputs"] == {"x": (3, 4), "y": (3, 4)}

@@ -16,6 +16,7 @@ from mncore_device import (
     set_tensor_name_in_module,
 )
 from tests.device.device_testing import (
+    CAPTURES,
     HAS_MNCORE_SGD,
     MNCoreSGD,
     Wrapped,
@@ -116,8 +117,10 @@ def test_proxy_of_an_unregistered_tensor_fails(context):
 # --- unregistered state ------------------------------------------------------------------
 
 
-def test_unregistered_parameter_warns_trains_on_device_and_is_never_synced(context):
-    """Register everything except the bias: it trains on the device, but never reaches the host."""
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_unregistered_parameter_warns_trains_on_device_and_is_never_synced(context, capture):
+    """Register everything except the bias: it trains on the device, but never reaches the host
+    (TorchDynamo once passed it as a host input of every call, which nothing trained)."""
     model = Wrapped(4, 2)
     reference = twin(model)
     optimizer = make_sgd(model.parameters(), 0.1, 0.9)
@@ -130,8 +133,11 @@ def test_unregistered_parameter_warns_trains_on_device_and_is_never_synced(conte
     with pytest.warns(
         UserWarning, match=r"1 tensor is updated .* never registered: 'model@linear/bias'"
     ):
-        compiled = compile_o0(context, training_step(model, optimizer, cross_entropy), batches[0])
+        compiled = compile_o0(
+            context, training_step(model, optimizer, cross_entropy), batches[0], capture=capture
+        )
     assert "model@linear/bias" not in context.registered_names
+    assert model.linear.bias.grad is None  # compile left no gradient on the host
 
     losses = device_train(compiled, batches)
     expected = eager_train(
@@ -146,7 +152,8 @@ def test_unregistered_parameter_warns_trains_on_device_and_is_never_synced(conte
     assert not torch.equal(reference.linear.bias, bias)
 
 
-def test_a_tensor_registered_after_compile_is_trained_and_synchronized(context):
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_a_tensor_registered_after_compile_is_trained_and_synchronized(context, capture):
     """Registered after the compile that captured it (before the first call): the compiled
     step trains the registered copy, and synchronize() writes the trained value back."""
     model = Wrapped(4, 2)
@@ -156,7 +163,9 @@ def test_a_tensor_registered_after_compile_is_trained_and_synchronized(context):
     set_buffer_name_in_optimizer(optimizer, "optimizer")
     batches = classification_batches(4, 8, 4, 2)
     with pytest.warns(UserWarning, match="never registered"):
-        compiled = compile_o0(context, training_step(model, optimizer, cross_entropy), batches[0])
+        compiled = compile_o0(
+            context, training_step(model, optimizer, cross_entropy), batches[0], capture=capture
+        )
     register(context, model, optimizer)
 
     losses = device_train(compiled, batches)
@@ -171,13 +180,51 @@ def test_a_tensor_registered_after_compile_is_trained_and_synchronized(context):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
 
 
-def test_a_captured_constant_registered_after_compile_reads_the_registered_copy(context):
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_batchnorm_running_stats_registered_after_compile_are_device_state(context, capture):
+    """BatchNorm's running stats, registered after the compile that captured them (before the
+    first call, which MLSDK allows), are device state: every call updates the device copy,
+    the host's stays as it was until synchronize() brings back eager's values. (TorchDynamo
+    once updated the host copy at each call instead, which synchronize() then overwrote
+    with the untrained device copy; make_fx's compile wrote the host copy.)"""
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    reference = twin(model)
+    optimizer = make_sgd(model.parameters(), 0.1, 0.9)
+    set_tensor_name_in_module(model, "model")
+    for p in model.parameters():
+        context.register_param(p)
+    set_buffer_name_in_optimizer(optimizer, "optimizer")
+    context.register_optimizer_buffers(optimizer)
+    batches = classification_batches(4, 8, 4, 2)
+    step = training_step(model, optimizer, cross_entropy)
+    with pytest.warns(UserWarning, match="3 tensors are updated .* never registered"):
+        compiled = compile_o0(context, step, batches[0], capture=capture)
+    for buffer in model.buffers():
+        context.register_buffer(buffer)
+    initial = clone_state(reference)
+
+    losses = device_train(compiled, batches)
+    for name, buffer in model.named_buffers():
+        assert torch.equal(buffer, initial[name]), f"{name} changed on the host"
+    context.synchronize()
+    expected = eager_train(
+        reference, make_sgd(reference.parameters(), 0.1, 0.9), cross_entropy, batches
+    )
+    assert losses == expected  # O0: bit for bit
+    trained = dict(reference.named_buffers())
+    for name, buffer in model.named_buffers():
+        assert torch.equal(buffer, trained[name]), name
+        assert not torch.equal(buffer, initial[name]), name
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_a_captured_constant_registered_after_compile_reads_the_registered_copy(context, capture):
     """A tensor the step only reads, registered after compile, is read from device memory:
     a load_from on its registered copy reaches the step, a host edit does not."""
     scale = torch.tensor(2.0)
     set_tensor_name(scale, "scale")
     x = torch.randn(3)
-    compiled = compile_o0(context, lambda b: {"y": b["x"] * scale}, {"x": x})
+    compiled = compile_o0(context, lambda b: {"y": b["x"] * scale}, {"x": x}, capture=capture)
     context.register_buffer(scale)
     context.get_registered_value_proxy(scale).load_from(torch.tensor(5.0))
     torch.testing.assert_close(compiled({"x": x})["y"], 5 * x)
@@ -185,7 +232,8 @@ def test_a_captured_constant_registered_after_compile_reads_the_registered_copy(
     torch.testing.assert_close(compiled({"x": x})["y"], 5 * x)
 
 
-def test_registering_a_tensor_a_compiled_step_already_trained_fails_naming_it(context):
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_registering_a_tensor_a_compiled_step_already_trained_fails_naming_it(context, capture):
     """After calls that trained an unregistered copy, registering would drop that training."""
     model = Wrapped(4, 2)
     optimizer = make_sgd(model.parameters(), 0.1, 0.0)
@@ -193,7 +241,9 @@ def test_registering_a_tensor_a_compiled_step_already_trained_fails_naming_it(co
     context.register_param(model.linear.weight)
     batches = classification_batches(2, 8, 4, 2)
     with pytest.warns(UserWarning, match="never registered"):
-        compiled = compile_o0(context, training_step(model, optimizer, cross_entropy), batches[0])
+        compiled = compile_o0(
+            context, training_step(model, optimizer, cross_entropy), batches[0], capture=capture
+        )
     device_train(compiled, batches)
     bias = model.linear.bias.detach().clone()
     with pytest.raises(RegistrationError, match=r"'model@linear/bias'.*2 call.*before compile"):
@@ -202,7 +252,8 @@ def test_registering_a_tensor_a_compiled_step_already_trained_fails_naming_it(co
     assert torch.equal(model.linear.bias, bias)
 
 
-def test_unregistered_buffers_get_one_warning_listing_them(context):
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_unregistered_buffers_get_one_warning_listing_them(context, capture):
     """A model whose BatchNorm buffers were not registered (timm's resnet50: 159 of them)
     gets one warning with the count, the first names and the fix, not one per buffer."""
     model = nn.Sequential(*[nn.BatchNorm1d(4) for _ in range(8)])
@@ -211,7 +262,7 @@ def test_unregistered_buffers_get_one_warning_listing_them(context):
         context.register_param(p)  # the buffers are not registered
     x = torch.randn(6, 4)
     with pytest.warns(UserWarning) as caught:
-        compiled = compile_o0(context, lambda b: {"y": model(b["x"])}, {"x": x})
+        compiled = compile_o0(context, lambda b: {"y": model(b["x"])}, {"x": x}, capture=capture)
     messages = [str(w.message) for w in caught if "never registered" in str(w.message)]
     assert len(messages) == 1, messages
     (message,) = messages
@@ -225,11 +276,12 @@ def test_unregistered_buffers_get_one_warning_listing_them(context):
 # --- captured read-only tensors -----------------------------------------------------------
 
 
-def test_in_place_change_of_a_captured_tensor_reaches_the_step(context):
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_in_place_change_of_a_captured_tensor_reaches_the_step(context, capture):
     """A closed-over host tensor is a device constant, re-uploaded when changed in place."""
     scale = torch.tensor(2.0)
     x = torch.randn(3)
-    compiled = compile_o0(context, lambda b: {"y": b["x"] * scale}, {"x": x})
+    compiled = compile_o0(context, lambda b: {"y": b["x"] * scale}, {"x": x}, capture=capture)
     torch.testing.assert_close(compiled({"x": x})["y"], 2 * x)
     scale.fill_(-3.0)
     torch.testing.assert_close(compiled({"x": x})["y"], -3 * x)
@@ -291,10 +343,24 @@ class _Noisy(nn.Module):
         return self.head(self.net(x))
 
 
-def test_compile_leaves_host_state_and_rng_untouched(context):
+@pytest.mark.parametrize("registered", ["all", "parameters_but_one"])
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_compile_leaves_host_state_and_rng_untouched(context, capture, registered):
+    """Compiling runs the step once to trace it: no host tensor may keep what that run did,
+    registered or not (an unregistered BatchNorm's running stats, whose kernel's schema does
+    not say it writes them; an unregistered parameter's gradient; a counter the step adds
+    to, which TorchDynamo's dry run once wrote back)."""
     model = _Noisy()
     optimizer = make_sgd(model.parameters(), 0.1, 0.9)
-    register(context, model, optimizer)
+    if registered == "all":
+        register(context, model, optimizer)
+    else:  # the BatchNorm buffers and the head's bias are not registered
+        set_tensor_name_in_module(model, "model")
+        for name, p in model.named_parameters():
+            if name != "head.bias":
+                context.register_param(p)
+        set_buffer_name_in_optimizer(optimizer, "optimizer")
+        context.register_optimizer_buffers(optimizer)
     calls = torch.zeros(())  # unregistered host tensor that the step updates in place
 
     def step(batch):
@@ -310,8 +376,11 @@ def test_compile_leaves_host_state_and_rng_untouched(context):
     momentum = [b.clone() for b in _momentum_buffers(optimizer)]
     rng = torch.get_rng_state()
 
-    with pytest.warns(UserWarning, match="never registered"):
-        compile_o0(context, step, batch)
+    with pytest.warns(UserWarning, match="never registered") as caught:
+        compile_o0(context, step, batch, capture=capture)
+    if registered != "all":
+        (message,) = [str(w.message) for w in caught if "never registered" in str(w.message)]
+        assert "'model@head/bias'" in message and "'model@net/1/running_mean'" in message
 
     assert torch.equal(torch.get_rng_state(), rng)
     for key, value in model.state_dict().items():

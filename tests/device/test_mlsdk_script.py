@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from mncore_device.capture.compiled_step import CapturedFunction
 from mncore_lightning.mlsdk import (
     CacheOptions,
     Context,
@@ -89,7 +90,7 @@ def compile_fn(context, target_fn, model, sample, outdir, model_name, optimizers
     return context.compile(**compile_args)
 
 
-def run_train(model, context, optimizer: MNCoreOptimizer, outdir: str, epochs: int) -> list[float]:
+def run_train(model, context, optimizer: MNCoreOptimizer, outdir: str, epochs: int):
     loss_fn = nn.BCEWithLogitsLoss(reduction="none")
 
     def train_step(sample_d):
@@ -128,7 +129,7 @@ def run_train(model, context, optimizer: MNCoreOptimizer, outdir: str, epochs: i
                 assert isinstance(output["result"], TensorProxy)
                 losses.append(output["result"].item())
     context.synchronize()
-    return losses
+    return losses, train_fn
 
 
 def main(outdir: str, device_name: str = "pfvm:cpu") -> dict:
@@ -140,7 +141,7 @@ def main(outdir: str, device_name: str = "pfvm:cpu") -> dict:
     eval_context = Context(device)
     Context.switch_context(train_context)
     with trace_scope(Path(outdir) / "perfetto_trace.pb"):
-        losses = run_train(model, train_context, optimizer, outdir, epochs=3)
+        losses, train_fn = run_train(model, train_context, optimizer, outdir, epochs=3)
         torch.save({"model": model.state_dict()}, storage.path(outdir) / "model.pt")
         Context.switch_context(eval_context)
         users, items, _ = dataset().tensors
@@ -154,7 +155,7 @@ def main(outdir: str, device_name: str = "pfvm:cpu") -> dict:
             training=False,
         )
         scores = eval_fn({"user": users, "item": items})["score"].cpu()
-    return {"losses": losses, "scores": scores, "model": model}
+    return {"losses": losses, "scores": scores, "model": model, "train_fn": train_fn}
 
 
 def eager_reference() -> tuple[list[float], nn.Module]:
@@ -195,4 +196,8 @@ def test_a_pfn_style_training_script_runs_through_mncore_lightning_mlsdk(tmp_pat
     events = json.loads((tmp_path / "perfetto_trace.pb").read_text())["traceEvents"]
     names = [e["name"] for e in events]
     assert names.count("compile") == 2 and names.count("ncf_train") == 12
+    # captured by TorchDynamo (Context.compile's default): one graph, one device call a step
+    train_fn = result["train_fn"]
+    assert isinstance(train_fn, CapturedFunction) and train_fn.frontend.device_calls == 1
+    assert len(train_fn.functions) == 1 and train_fn.functions[0].calls == 12
     assert "synchronize" in names and names.count("epoch 0") == 2

@@ -296,15 +296,35 @@ def test_autoencoder_trains_reloads_and_exports(
 
 
 def test_mlsdk_mnist(
-    tmp_path: Path, no_mnist_dir: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    no_mnist_dir: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The MLSDK-style loop on the real device layer (MN-Core's CPU virtual machine)."""
+    """The MLSDK-style loop on the real device layer (MN-Core's CPU virtual machine): its
+    steps captured by TorchDynamo, each one device call."""
     import mlsdk_mnist
 
+    from mncore_device import Context
+    from mncore_device.capture.compiled_step import CapturedFunction
+
+    compiled = []
+    compile_function = Context.compile
+
+    def recording(self, function, *args, **kwargs):
+        compiled.append(compile_function(self, function, *args, **kwargs))
+        return compiled[-1]
+
+    monkeypatch.setattr(Context, "compile", recording)
     argv = ["--outdir", str(tmp_path), "--data-dir", str(no_mnist_dir), "--device", "pfvm:cpu"]
     result = mlsdk_mnist.main(
         [*argv, "--preset", "O0", "--epochs", "1", "--limit-train-batches", "3"]
     )
+    train, evaluate = compiled
+    assert isinstance(train, CapturedFunction) and isinstance(evaluate, CapturedFunction)
+    assert train.frontend.device_calls == 1 and train.retraces == []
+    (device_function,) = train.functions
+    assert device_function.calls == 3
     stdout = capsys.readouterr().out
     assert_accuracy_line(stdout, result)
     assert "epoch 0, iter 0, loss " in stdout and "epoch 0, loss " in stdout

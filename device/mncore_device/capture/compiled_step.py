@@ -1,4 +1,4 @@
-"""`Context.compile(function, inputs, capture="dynamo")`: an MLSDK step captured by TorchDynamo.
+"""`Context.compile(function, inputs)`: an MLSDK step captured by TorchDynamo (the default).
 
 MLSDK compiles a function once, from a sample, and every call runs that static graph: a
 Python value the function reads (a global, a closure cell, a tuple or NumPy attribute,
@@ -21,14 +21,27 @@ a call never runs a stale value:
   after the backward) is a StaticGraphError naming the user's line: a compiled function is
   one device call (fullgraph).
 
-Two things are part of the compiled function, as on MLSDK, rather than reads that change:
+Every tensor the function reads besides its inputs is device state, as on MLSDK (and as a
+step traced by make_fx has it): the replay reads the tensor itself, so a registered one is the
+device's copy, and any other is captured by the backend's compile (a constant uploaded again
+when the host changes it in place or, when the step updates it, trained on the device only,
+with one warning naming it). A state input that is another tensor at a call (`t = new` on the
+host) compiles the graph again on it, reported and bounded as a re-compile is.
+
+Three things are part of the compiled function, as on MLSDK, rather than reads that change:
 
 - the train/eval mode of the modules the function reaches (through its closure cells and the
   globals it names): a call runs in the mode they had at compile, whatever their mode at the
   call (PFN's scripts compile an evaluation function under `model.eval()`, then go back to
   `model.train()` and compile the training step);
+- the grad mode at compile: a device call has no host autograd, so a training step called
+  under `torch.no_grad()` still trains;
 - gradients are not device state: every call starts from no gradients, as a step that calls
   `zero_grad()` first does.
+
+Compiling changes nothing on the host: the dry run that captures the function runs no device
+graph, writes no input back, and leaves Python's random generator as it was (Dynamo's code
+draws the step's `random.random()` values before each call of the graph).
 
 The backend (the emulator, or MLSDK) receives a function that replays the captured FX graph
 (`CapturedGraph.run`), never the user's code, with the sample's input keys (plus the
@@ -37,16 +50,19 @@ The backend (the emulator, or MLSDK) receives a function that replays the captur
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import re
 import time
 import warnings
 import weakref
 from ast import literal_eval
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+from torch._prims_common import make_contiguous_strides_for
 from torch._subclasses.fake_tensor import is_fake
 
 from .._source import user_frame
@@ -96,7 +112,6 @@ class CapturedFunction:
         inputs: Mapping[str, torch.Tensor],
         compile_replay: ReplayCompiler,
         *,
-        is_state: Callable[[torch.Tensor], bool],
         codegen_dir: Any = None,
         max_retraces: int = 8,
     ) -> None:
@@ -114,6 +129,7 @@ class CapturedFunction:
                 )
             check_real(key, value, "a sample input of compile")
         self._modes = [(m, m.training) for m in _modules_of(function)]
+        self._grad_enabled = torch.is_grad_enabled()
 
         def step(inputs: Mapping[str, torch.Tensor]) -> Any:
             result = function(inputs)
@@ -127,14 +143,17 @@ class CapturedFunction:
         self.frontend = DynamoFrontend(
             step,
             self._compile_graph,
-            is_state=is_state,
+            is_state=self._is_state,
             fullgraph=True,
             max_retraces=max_retraces,
             on_retrace=self._retraced,
         )
         self._dry_run = True  # capture and compile now; the device runs nothing yet
         try:
-            result = self._run(dict(inputs))
+            # Dynamo's code runs once too, and draws what the step draws from Python's
+            # random module (it draws before each call of the graph): compile draws nothing
+            with _python_random_preserved():
+                result = self._run(_as_device_inputs(inputs))
         finally:
             self._dry_run = False
         _check_outputs(result)
@@ -152,7 +171,7 @@ class CapturedFunction:
             # device-side buffers (allocate_input_proxy): the latest graph, as it is
             return self.functions[-1](inputs)
         conformed = {k: conform_input(k, s, inputs[k]) for k, s in self.input_specs.items()}
-        return self._run(conformed)
+        return self._run(_as_device_inputs(conformed))
 
     def _run(self, inputs: dict[str, torch.Tensor]) -> Any:
         self._inputs = inputs
@@ -160,7 +179,7 @@ class CapturedFunction:
         for module in changed:  # the mode the function was compiled in (see the docstring)
             module.training = not module.training
         try:
-            with substituted():
+            with self._grad_mode(), substituted():
                 return self.frontend(inputs)
         except torch._dynamo.exc.UserError as error:  # a branch on a value, say
             stack = list(getattr(error, "real_stack", None) or [])
@@ -177,6 +196,26 @@ class CapturedFunction:
             self._inputs = {}
             for module in changed:
                 module.training = not module.training
+
+    def _grad_mode(self) -> contextlib.AbstractContextManager:
+        """The grad mode the function was compiled in, whatever the caller's (a device call
+        has no host autograd: a training step called under torch.no_grad still trains)."""
+        if torch.is_inference_mode_enabled():
+            stack = contextlib.ExitStack()
+            stack.enter_context(torch.inference_mode(False))
+            stack.enter_context(torch.set_grad_enabled(self._grad_enabled))
+            return stack
+        if torch.is_grad_enabled() != self._grad_enabled:
+            return torch.set_grad_enabled(self._grad_enabled)
+        return contextlib.nullcontext()
+
+    def _is_state(self, tensor: torch.Tensor) -> bool:
+        """Every tensor the function reads besides its inputs is device state: the replay
+        reads the tensor itself, so the backend's compile treats it as a step traced by
+        make_fx does (registered: the device's copy; not registered: captured, a device
+        constant re-uploaded when the host changes it in place, or, if the step updates it,
+        trained on the device only, with a warning naming it)."""
+        return not any(tensor is value for value in self._inputs.values())
 
     @property
     def retraces(self) -> list[str]:
@@ -245,7 +284,9 @@ class CapturedFunction:
         def run(device_inputs: Mapping[str, torch.Tensor]) -> dict[str, Any]:
             this = owner()
             if this._dry_run:  # compile time: the values the trace computed, nothing runs
-                result = {k: _host_value(v) for k, v in traced.items()}
+                # (nor is an input the step changes in place written back: compile changes
+                # no host tensor)
+                result = {k: _host_value(v) for k, v in traced.items() if not k.startswith(MUTATED)}
             else:
                 call = dict(this._inputs)
                 call.update((key, device_inputs[name]) for name, key in keys.items())
@@ -257,6 +298,38 @@ class CapturedFunction:
             return named
 
         return run
+
+
+def _as_device_inputs(inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A call's inputs as the device takes them: each its own contiguous tensor, with
+    row-major strides (a size-1 dimension's too) and no autograd history, so that none of
+    these at a call (the same tensor given for two keys, say) fails one of Dynamo's guards and
+    captures the step again."""
+    result: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for key, value in inputs.items():
+        if value.requires_grad:
+            value = value.detach()
+        if not value.is_contiguous():
+            value = value.contiguous()
+        else:
+            strides = make_contiguous_strides_for(value.shape)
+            if value.stride() != strides:
+                value = value.as_strided(value.shape, strides, value.storage_offset())
+        if id(value) in seen:
+            value = value.clone()
+        seen.add(id(value))
+        result[key] = value
+    return result
+
+
+@contextlib.contextmanager
+def _python_random_preserved() -> Iterator[None]:
+    state = random.getstate()
+    try:
+        yield
+    finally:
+        random.setstate(state)
 
 
 def _modules_of(function: Any, depth: int = 0) -> list[torch.nn.Module]:

@@ -121,6 +121,35 @@ def _last_lr_is_a_read() -> None:
 _last_lr_is_a_read()
 
 
+def _modules_by_name_follow_sys_modules() -> None:
+    """Dynamo (torch 2.14.1) reads the globals of a function it inlines through the module
+    they belong to (`sys.modules[f_globals["__name__"]]`, checked to be that dict), but looks
+    the module up again by name through a process-wide cache that keeps the first module it
+    ever found under that name. A name can stand for another module later: runpy (and
+    `python -m`, notebooks, test runners) runs each script as a new module named `__main__`.
+    The cached one is then another script's: the captured step would read, and guard, that
+    script's globals (`module '__main__' has no attribute 'model'`). Looking the name up in
+    sys.modules at each capture gives the module the check found, and costs a dict lookup.
+    """
+    import importlib
+    import sys
+
+    from torch._dynamo import symbolic_convert
+
+    if getattr(symbolic_convert._import_module, "follows_sys_modules", False):
+        return
+
+    def import_module(name: str) -> types.ModuleType:
+        module = sys.modules.get(name)
+        return module if isinstance(module, types.ModuleType) else importlib.import_module(name)
+
+    import_module.follows_sys_modules = True
+    symbolic_convert._import_module = import_module
+
+
+_modules_by_name_follow_sys_modules()
+
+
 class InputKind(StrEnum):
     """What a captured graph's input is, by what the step read."""
 
@@ -230,11 +259,12 @@ class CapturedGraph:
         for node, example in zip(placeholders, examples, strict=True):
             grapharg = node.meta.get("grapharg")
             source = grapharg.source.name if grapharg is not None else node.name
-            if getattr(grapharg, "pass_arg_as_tensor", False) and example.dim() == 0:
+            if getattr(grapharg, "pass_arg_as_tensor", False):
                 # a Python number (or NumPy scalar), passed as a 0-d tensor; a NumPy array
-                # is passed as a tensor too (pass_arg_as_tensor), and is a TENSOR input
-                kind = InputKind.NUMBER
-                example = example.item()
+                # is passed as a tensor too, a new one at every call: a TENSOR input
+                kind = InputKind.NUMBER if example.dim() == 0 else InputKind.TENSOR
+                if kind is InputKind.NUMBER:
+                    example = example.item()
             elif isinstance(example, torch.Tensor):
                 kind = InputKind.STATE if is_state(example) else InputKind.TENSOR
             else:
@@ -276,6 +306,24 @@ class CapturedGraph:
                 return f"{spec.source} changed from {example} to {value}"
         return None
 
+    def replaced_state(self, args: Sequence[Any]) -> list[tuple[GraphInput, Any]]:
+        """The state inputs that are other tensors at this call (the step reads a tensor
+        that was replaced: the device graph was built on the one it read before), each with
+        the tensor it is now."""
+        return [
+            (spec, value)
+            for spec, value, example in zip(self.inputs, args, self.examples, strict=True)
+            if spec.kind is InputKind.STATE and value is not example
+        ]
+
+    def with_tensor_inputs(self, names: set[str]) -> CapturedGraph:
+        """The same graph with the state inputs `names` passed at every call instead."""
+        inputs = [
+            dataclasses.replace(s, kind=InputKind.TENSOR) if s.name in names else s
+            for s in self.inputs
+        ]
+        return dataclasses.replace(self, inputs=inputs)
+
     def run(
         self, inputs: Mapping[str, torch.Tensor], calls: Mapping[Any, Callable[..., Any]] = {}
     ) -> dict[str, torch.Tensor]:
@@ -296,7 +344,8 @@ class CapturedGraph:
             else:
                 values.append(example)  # the registered tensor, or the fixed number
         numbers = {s.name for s in self.inputs if s.kind is InputKind.NUMBER}
-        outputs = ScalarsAsTensors(self.graph_module, numbers, calls).run(*values)
+        with _node_stacks_under_anomaly_mode():
+            outputs = ScalarsAsTensors(self.graph_module, numbers, calls).run(*values)
         # a number computed only from fixed ones is a Python number: an output as a tensor
         result = {
             str(i): value if isinstance(value, torch.Tensor) else torch.tensor(value)
@@ -354,6 +403,22 @@ class CapturedGraph:
             for s, a in zip(self.inputs, args, strict=True)
         ]
         return dataclasses.replace(self, examples=examples)
+
+
+@contextlib.contextmanager
+def _node_stacks_under_anomaly_mode() -> Iterator[None]:
+    """Under anomaly mode (torch.autograd.set_detect_anomaly), autograd records for each
+    forward op the stack torch.fx.traceback.format_stack() gives, which is the live stack:
+    while a captured graph runs, the replay's frames, not the user's. With node meta
+    preserved, it is the stack Dynamo recorded for the node being run, so an op of the
+    backward is named by the user's forward line (see _source.backward_frame_summary)."""
+    if not torch.is_anomaly_enabled():
+        yield
+        return
+    from torch.fx import traceback as fx_traceback
+
+    with fx_traceback.preserve_node_meta():
+        yield
 
 
 def _number(value: Any) -> Any:
@@ -485,7 +550,24 @@ class DynamoFrontend:
             self._on_retrace(reason)
         self.graphs.append(captured)
         self.sources.append(GraphSources.of_current_trace(graph_module))
-        return _GraphCall(captured, _weakly(self._compile_graph), _weakly(self._on_retrace))
+        return _GraphCall(
+            captured,
+            _weakly(self._compile_graph),
+            _weakly(self._on_retrace),
+            _weakly(self._state_replaced),
+        )
+
+    def _state_replaced(self, reason: str) -> None:
+        """A state input of a graph is another tensor at this call: its device graph is
+        compiled again, counted and bounded as Dynamo's re-compiles are."""
+        self.retraces.append(reason)
+        if len(self.retraces) > self.max_retraces:
+            raise StaticGraphError(
+                f"the compiled step was traced again {len(self.retraces)} times, more than "
+                f"max_retraces={self.max_retraces}; the last time because {reason}. A "
+                "parameter the step reads is replaced at every call: update it in place."
+            )
+        self._on_retrace(reason)
 
     @contextlib.contextmanager
     def _recording_breaks(self) -> Iterator[None]:
@@ -590,9 +672,11 @@ class _GraphCall:
         captured: CapturedGraph,
         compile_graph: Callable[[CapturedGraph], DeviceFunction],
         on_retrace: Callable[[str], None],
+        on_replaced_state: Callable[[str], None],
     ) -> None:
         self._compile_graph = compile_graph
         self._on_retrace = on_retrace
+        self._on_replaced_state = on_replaced_state
         self._compiled: dict[tuple, tuple[CapturedGraph, DeviceFunction]] = {}
         self._captured = self._add(captured)[0]  # its input kinds select a device function
 
@@ -621,6 +705,20 @@ class _GraphCall:
 
     def _add_for(self, args: Sequence[Any]) -> tuple[CapturedGraph, DeviceFunction]:
         base = self._captured
+        replaced = base.replaced_state(args)
+        if replaced:
+            # as a number that changes becomes an input: a replaced tensor is passed at every
+            # call from now on; a parameter (it trains) stays state, on the new tensor
+            passed = {spec.name for spec, new in replaced if not new.requires_grad}
+            self._on_replaced_state(
+                "; ".join(
+                    f"{spec.source} is another tensor than when the step was compiled"
+                    + (" (an input of every call from now on)" if spec.name in passed else "")
+                    for spec, _ in replaced
+                )
+            )
+            if passed:
+                base = self._captured = base.with_tensor_inputs(passed)
         changed = base.constants_differ(args)
         if changed:  # another shape is not reported: the caller knows which ones it expects
             self._on_retrace(changed)
@@ -628,8 +726,10 @@ class _GraphCall:
 
 
 def _key(captured: CapturedGraph, args: Sequence[Any]) -> tuple:
-    """What selects a device function: tensor shapes and dtypes, and fixed numbers."""
+    """What selects a device function: tensor shapes and dtypes, fixed numbers, and which
+    tensors the state inputs are (the device graph reads the state it was built on)."""
     positions = captured._positions
     key = [(args[i].shape, args[i].dtype) for i, _ in positions[InputKind.TENSOR]]
     key += [_number(args[i]) for i, _ in positions[InputKind.CONSTANT]]
+    key += [id(args[i]) for i, _ in positions[InputKind.STATE]]
     return tuple(key)

@@ -51,6 +51,7 @@ _RANGE_HINTS = {
     torch.ops.aten.sym_constrain_range.default,
     torch.ops.aten.sym_constrain_range_for_size.default,
 }
+_TENSOR_OF = (torch.tensor, torch._refs.tensor)  # Dynamo records torch.tensor(x) as the latter
 _ROUNDING: dict[Any, Callable[[torch.Tensor], torch.Tensor]] = {
     math.floor: torch.floor,
     math.ceil: torch.ceil,
@@ -170,6 +171,13 @@ class ScalarsAsTensors(fx.Interpreter):
             return torch.index_select(tensor, dim, index).squeeze(dim)
         if target is torch.scalar_tensor and self._is_number(args[0]):
             return args[0].to(kwargs.get("dtype") or torch.get_default_dtype())
+        if target in _TENSOR_OF and len(args) == 1 and self._is_number(args[0]):
+            # torch.tensor(a Python number): the default float dtype for a float
+            number = args[0]
+            dtype = kwargs.get("dtype") or (
+                torch.get_default_dtype() if number.is_floating_point() else number.dtype
+            )
+            return number.detach().to(device=kwargs.get("device"), dtype=dtype, copy=True)
         if numbers and target is torch.ops.aten._assert_scalar.default:
             # Dynamo's runtime check on a number: checked in the graph, on the device
             return torch.ops.aten._assert_async.msg(args[0].bool(), args[1])

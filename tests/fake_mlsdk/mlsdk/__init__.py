@@ -505,13 +505,17 @@ class _ContextBase:
             options=dict(options or {}),
             cache_dir=cache_options.cache_dir if cache_options is not None else None,
             inputs={k: tuple(v.shape) for k, v in inputs.items()},
+            # the device layer's replay of a graph it captured, or (capture="trace") the
+            # user's function itself
+            replay=getattr(function, "_mncore_replay", False),
         )
-        emulated = self._emulator.compile(
+        emulated = self._emulator.compile(  # MLSDK traces the function it is given
             function,
             inputs,
             Path(os.fspath(codegen)),
             options=emulator_options or None,
             cache_options=_emu.CacheOptions(cache_options.cache_dir) if cache_options else None,
+            capture="trace",
         )
         return CompiledFunction(self, emulated)
 
