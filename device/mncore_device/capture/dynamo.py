@@ -344,8 +344,7 @@ class CapturedGraph:
             else:
                 values.append(example)  # the registered tensor, or the fixed number
         numbers = {s.name for s in self.inputs if s.kind is InputKind.NUMBER}
-        with _node_stacks_under_anomaly_mode():
-            outputs = ScalarsAsTensors(self.graph_module, numbers, calls).run(*values)
+        outputs = ScalarsAsTensors(self.graph_module, numbers, calls).run(*values)
         # a number computed only from fixed ones is a Python number: an output as a tensor
         result = {
             str(i): value if isinstance(value, torch.Tensor) else torch.tensor(value)
@@ -403,22 +402,6 @@ class CapturedGraph:
             for s, a in zip(self.inputs, args, strict=True)
         ]
         return dataclasses.replace(self, examples=examples)
-
-
-@contextlib.contextmanager
-def _node_stacks_under_anomaly_mode() -> Iterator[None]:
-    """Under anomaly mode (torch.autograd.set_detect_anomaly), autograd records for each
-    forward op the stack torch.fx.traceback.format_stack() gives, which is the live stack:
-    while a captured graph runs, the replay's frames, not the user's. With node meta
-    preserved, it is the stack Dynamo recorded for the node being run, so an op of the
-    backward is named by the user's forward line (see _source.backward_frame_summary)."""
-    if not torch.is_anomaly_enabled():
-        yield
-        return
-    from torch.fx import traceback as fx_traceback
-
-    with fx_traceback.preserve_node_meta():
-        yield
 
 
 def _number(value: Any) -> Any:
