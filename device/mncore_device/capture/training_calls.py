@@ -18,9 +18,10 @@ What Dynamo does not see, it cannot guard, so the substitution adds what it must
   guarded by its source, so changing one re-compiles (reported), never runs a stale value.
   Optimizers whose groups are of another dict type (the MN-Core optimizers) keep them in
   device tensors that every call reads: nothing to guard;
-- `.grad` read after `loss.backward()` (clipping, say) would be Dynamo's pre-backward view of
-  the gradient: it is a graph break, which `Context.compile` reports as a StaticGraphError at
-  the user's line.
+- `.grad` read after `loss.backward()` (clipping by hand, an all-reduce of the gradients)
+  would be Dynamo's pre-backward view of the gradient (None, on the host): it is a graph node
+  too, whose work gives the gradient the backward computed, so the reads, and in-place
+  changes of it, are in the device graph in program order, before the optimizer's step.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
+from ..errors import StaticGraphError
 from ..registry import device_optimizer_for
 
 _installed: list[bool] = []  # whether _install ran
@@ -60,6 +63,25 @@ def _backward(loss: torch.Tensor, gradient: torch.Tensor | None = None) -> None:
 
 _backward.__qualname__ = _backward.__name__ = "mncore_backward"
 torch.fx.node.has_side_effect(_backward)
+
+
+def _gradient(tensor: torch.Tensor) -> torch.Tensor:
+    """The work of a `.grad` read after a `loss.backward()` node: in the replay, the gradient
+    that backward computed, the tensor itself (an in-place change of it, `p.grad.mul_(s)`,
+    is a change of the gradient the optimizer's step reads next). Dynamo runs it on fake
+    tensors only, to learn the gradient's shape: the tensor's own."""
+    if is_fake(tensor):
+        return torch.empty_like(tensor, requires_grad=False)
+    if tensor.grad is None:
+        raise StaticGraphError(
+            f"a compiled step reads the gradient of a tensor of shape {list(tensor.shape)} "
+            "after loss.backward(), which gave it none (it does not reach the loss, or does "
+            "not require grad): its .grad is None, as on eager; skip it"
+        )
+    return tensor.grad
+
+
+_gradient.__qualname__ = _gradient.__name__ = "mncore_gradient"
 
 
 def _work(optimizer: torch.optim.Optimizer, name: str) -> Callable[..., None]:
@@ -107,17 +129,10 @@ def _install() -> None:
 
     def method_attr_grad(self: Any, tx: Any) -> Any:
         if _active[0] and getattr(tx.output, _BACKWARD_DONE, False):
-            from torch._dynamo.exc import unimplemented
+            from torch._dynamo.variables.builder import wrap_fx_proxy
 
-            unimplemented(
-                gb_type="gradient read after loss.backward() in a compiled step",
-                context=f".grad of {self}",
-                explanation="In a step compiled by Context.compile, loss.backward() runs when "
-                "the device graph is built; the step's Python code cannot read the gradients "
-                "it computes (gradient clipping or a gradient check on the host). Clip in "
-                "the optimizer's step (a torch.optim subclass), which runs in the device graph.",
-                hints=[],
-            )
+            proxy = tx.output.create_proxy("call_function", _gradient, (self.as_proxy(),), {})
+            return wrap_fx_proxy(tx, proxy)
         return original_grad(self, tx)
 
     backward._mncore = True
