@@ -63,6 +63,7 @@ _DYNAMO_CONFIG = {
 
 def _configure_dynamo(dynamic_sources: Sequence[str]) -> None:
     """Set _DYNAMO_CONFIG, and add `dynamic_sources` to torch.compiler's (once each)."""
+    _substitutions_reinstated()
     for key, value in _DYNAMO_CONFIG.items():
         if getattr(torch._dynamo.config, key) != value:
             setattr(torch._dynamo.config, key, value)
@@ -106,19 +107,32 @@ as_tensor_follows_numbers()
 isinstance_sees_the_value()
 
 
-def _last_lr_is_a_read() -> None:
+def _last_lr_is_a_read() -> Callable[[], None]:
     """Dynamo (torch 2.14.1) skips every function of torch/optim/lr_scheduler.py on purpose
     (trace_rules.FORCE_SKIP_FILES), so `scheduler.get_last_lr()` in a step is a graph break,
     although it only returns the list the scheduler's last `step()` stored. Dynamo reads that
-    list instead: its floats are guarded, or graph inputs once they change, as any read."""
+    list instead: its floats are guarded, or graph inputs once they change, as any read.
+
+    Returns what puts the substitution back in Dynamo's rules: `init_process_group` clears
+    their caches (trace_rules.clear_lru_cache), which drops it (measured: after a DDP test,
+    a later fit's `get_last_lr()` was a graph break again)."""
+    from torch._dynamo.trace_rules import get_torch_obj_rule_map
+    from torch._dynamo.variables import PolyfilledFunctionVariable
     from torch.optim.lr_scheduler import LRScheduler
 
     @torch._dynamo.substitute_in_graph(LRScheduler.get_last_lr)
     def get_last_lr(self: LRScheduler) -> list[float]:
         return self._last_lr
 
+    def reinstate() -> None:
+        rules = get_torch_obj_rule_map()
+        if LRScheduler.get_last_lr not in rules:
+            rules[LRScheduler.get_last_lr] = rules[get_last_lr] = PolyfilledFunctionVariable
 
-_last_lr_is_a_read()
+    return reinstate
+
+
+_substitutions_reinstated = _last_lr_is_a_read()
 
 
 def _modules_by_name_follow_sys_modules() -> None:
