@@ -53,7 +53,8 @@ def model_and_batch(name: str):
 
 
 def measure(name: str, steps: int, rounds: int) -> dict:
-    from mncore_device import Context, MNDevice, emulator, executors
+    from mncore_device import Context, MNDevice, emulator
+    from mncore_device.runtime import executors
 
     model, batch = model_and_batch(name)
     reference = copy.deepcopy(model)

@@ -238,7 +238,7 @@ def _summary(epoch_seconds: list[float]) -> dict:
 def _profile_mncore_step(trainer, model, loader) -> dict:
     """Per-step microseconds of the parts of an mncore step, measured outside the loop
     (with steps_per_call=K, per call divided by K)."""
-    from mncore_device.compiled import CompiledFunction
+    from mncore_device.runtime.compiled import CompiledFunction
     from mncore_lightning.data import StepGroups
 
     strategy = trainer.strategy

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     import mncore_lightning
-    from mncore_device import compiled
+    from mncore_device.runtime import compiled
     from mncore_lightning.strategy import CompiledSteps
 
     torch.set_num_threads(1)

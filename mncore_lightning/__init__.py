@@ -9,8 +9,8 @@ from mncore_device import add_library_dirs
 
 from . import lightning_patch, standalone
 from .accelerator import MNCoreAccelerator
-from .ddp import MNCoreDDPStrategy
 from .optimizers import MNCoreAdam, MNCoreAdamW, MNCoreSGD
+from .parallel.ddp import MNCoreDDPStrategy
 from .precision import MNCorePrecision
 from .preflight import MNCorePreflight
 from .strategy import MNCoreStrategy

@@ -24,7 +24,7 @@ from lightning.pytorch.trainer.connectors.accelerator_connector import _Accelera
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from .accelerator import MNCoreAccelerator
-from .ddp import MNCoreDDPStrategy
+from .parallel.ddp import MNCoreDDPStrategy
 from .strategy import MNCoreStrategy
 
 _PATCHED = "__mncore_patched__"

@@ -27,26 +27,27 @@ _MIRRORED = (
     "precision",
     "data",
     "host_sync",
-    "log_replay",
-    "update_logs",  # no Lightning name, but it loads captured_manual, which is mirrored
-    "captured_hooks",
-    "captured_groups",
-    "manual_host",
-    "captured_manual",
+    "steps.logs",
+    "steps.update_logs",  # no Lightning name, but it loads steps.manual, which is mirrored
+    "steps.hooks",
+    "steps.groups",
+    "steps.manual_host",
+    "steps.manual",
     "strategy",
-    "ddp",
+    "parallel.ddp",
     "lightning_patch",
 )
 # Free of Lightning: the same modules serve both packages.
 _SHARED = (
     "device_selection",
-    "manual_gradients",
     "optimizers",
     "optimizers._convert",
+    "parallel.sync_batchnorm",
+    "steps.manual_gradients",
+    "steps.update",
     "structure",
-    "sync_batchnorm",
-    "update",
 )
+_SUBPACKAGES = ("steps", "parallel")
 _RENAMES = (("lightning.pytorch", "pytorch_lightning"), ("lightning.fabric", "lightning_fabric"))
 
 
@@ -96,24 +97,37 @@ def install() -> types.ModuleType | None:
     package.__path__ = []
     package.__package__ = PACKAGE
     sys.modules[PACKAGE] = package
+    for name in _SUBPACKAGES:
+        subpackage = types.ModuleType(f"{PACKAGE}.{name}")
+        subpackage.__path__ = []
+        subpackage.__package__ = subpackage.__name__
+        sys.modules[subpackage.__name__] = subpackage
+        setattr(package, name, subpackage)
     for name in _SHARED:
-        sys.modules[f"{PACKAGE}.{name}"] = importlib.import_module(f"mncore_lightning.{name}")
+        _place(name, importlib.import_module(f"mncore_lightning.{name}"))
     here = Path(__file__).parent
     for name in _MIRRORED:
-        path = here / f"{name}.py"
+        path = here / f"{name.replace('.', '/')}.py"
         source = path.read_text()
         for old, new in _RENAMES:
             source = source.replace(old, new)
         module = types.ModuleType(f"{PACKAGE}.{name}")
         module.__file__ = str(path)
-        module.__package__ = PACKAGE
+        module.__package__ = module.__name__.rpartition(".")[0]
         sys.modules[module.__name__] = module
         exec(compile(source, str(path), "exec"), module.__dict__)
-        setattr(package, name, module)
+        _place(name, module)
     package.MNCoreAccelerator = package.accelerator.MNCoreAccelerator
     package.MNCorePrecision = package.precision.MNCorePrecision
     package.MNCoreStrategy = package.strategy.MNCoreStrategy
-    package.MNCoreDDPStrategy = package.ddp.MNCoreDDPStrategy
+    package.MNCoreDDPStrategy = package.parallel.ddp.MNCoreDDPStrategy
     package.lightning_patch.install()
     sys.modules["mncore_lightning"].pl = package
     return package
+
+
+def _place(name: str, module: types.ModuleType) -> None:
+    """`module` as `mncore_lightning.pl.<name>` (dotted: in its subpackage)."""
+    sys.modules[f"{PACKAGE}.{name}"] = module
+    parent, _, leaf = f"{PACKAGE}.{name}".rpartition(".")
+    setattr(sys.modules[parent], leaf, module)

@@ -2,7 +2,7 @@
 compiled call on the MN-Core device.
 
 The machinery is the `CompiledSteps` mixin, shared with the data-parallel MNCoreDDPStrategy
-(ddp.py); MNCoreStrategy puts it on Lightning's SingleDeviceStrategy.
+(parallel/ddp.py); MNCoreStrategy puts it on Lightning's SingleDeviceStrategy.
 
 At setup the strategy converts the optimizers in place to ones the device runs, names and
 registers the module's parameters and buffers and the optimizers' state with a device-layer
@@ -45,20 +45,20 @@ from mncore_device import (
     set_tensor_name,
     set_tensor_name_in_module,
 )
-from mncore_device.specs import check_input
+from mncore_device.runtime.specs import check_input
 
 from .accelerator import MNCoreAccelerator
-from .captured_groups import run_captured_group
-from .captured_hooks import CapturedHook
-from .captured_manual import captured_manual_step
 from .data import LAST_BATCH_OPTIONS, StepGroup, StepGroups, with_drop_last
 from .device_selection import resolve_device, resolve_preset
 from .host_sync import GRADIENT_HOOKS, HostSync, HostVersions, overridden_hooks
 from .optimizers import MNCoreOptimizer, device_optimizer
 from .optimizers._convert import track_step_calls
 from .precision import MNCorePrecision
+from .steps.groups import run_captured_group
+from .steps.hooks import CapturedHook
+from .steps.manual import captured_manual_step
+from .steps.update import ANOMALY_PRESET
 from .structure import describe_change, structure_of
-from .update import ANOMALY_PRESET
 
 _EVAL_HOOKS = ("validation_step", "test_step", "predict_step")
 log = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ class CompiledSteps:
         self.steps_per_call = steps_per_call
         self.last_call_steps = 1  # training steps the last compiled training call ran
         self.fullgraph = fullgraph
-        # the hooks captured by TorchDynamo (captured_hooks.py), by stage and kind of step
+        # the hooks captured by TorchDynamo (steps/hooks.py), by stage and kind of step
         self._captured: dict[tuple, CapturedHook] = {}
 
     # --- the accelerator and the precision plugin are ours -----------------------------------
@@ -303,7 +303,7 @@ class CompiledSteps:
         window = 1 if manual else module.trainer.accumulate_grad_batches
         update = window == 1 or self._updating
         with self._stopped_by_anomaly(rest):
-            if steps is not None:  # K steps, one device call (captured_groups.py)
+            if steps is not None:  # K steps, one device call (steps/groups.py)
                 return run_captured_group(self, batch, rest)
             return self._captured_training_step(args, manual, window, update)
 
@@ -662,7 +662,7 @@ class MNCoreStrategy(CompiledSteps, SingleDeviceStrategy):
             whose batch count is not a multiple of K ends with one shorter group (a second
             graph), and a group that would run past `max_steps` is cut there. Each step of
             a group runs training_step's Python under TorchDynamo as on cpu (its batch_idx
-            and global_step, its guards, its attribute writes; captured_groups.py), and the
+            and global_step, its guards, its attribute writes; steps/groups.py), and the
             K steps' graphs run as one device call. Supported with automatic optimization,
             without gradient accumulation, step-interval LR schedulers or gradient hooks;
             each of those raises a clear error, as does a step whose Python needs a device

@@ -9,10 +9,8 @@ are real static graphs, run by an interpreter or TorchInductor depending on the 
 
 from . import storage
 from ._source import add_library_dirs
-from .artifacts import CacheOptions
 from .automap import AutomapFunction, register_pytree_dataclass, register_pytree_namedtuple
 from .compile_keywords import CompileKeywords
-from .compiled import CompiledFunction, InputProxy, TensorLike, TensorProxy
 from .context import Context, Role
 from .device import BACKENDS, Backend, MNDevice, mlsdk_available, resolve_backend
 from .emulator import EmulatorContext, RegisteredValueProxy
@@ -36,8 +34,10 @@ from .naming import (
 )
 from .presets import DEFAULT_PRESET, PRESET_NAMES, load_preset, preset_path
 from .registry import Registry, set_optimizer_converter
+from .runtime.artifacts import CacheOptions
+from .runtime.compiled import CompiledFunction, InputProxy, TensorLike, TensorProxy
+from .runtime.specs import IOSpec, TensorSpec
 from .scheduler import MNCoreLRScheduler
-from .specs import IOSpec, TensorSpec
 from .trace_events import trace_event, trace_scope
 
 __all__ = [

@@ -19,13 +19,13 @@ from typing import Any, ClassVar
 import torch
 
 from . import trace_events
-from .artifacts import CacheOptions
 from .automap import AutomapFunction, compile_automap
 from .compile_keywords import CompileKeywords
 from .device import Backend, MNDevice, resolve_backend
 from .errors import ContextInvalidatedError, RegistrationError
 from .naming import get_tensor_name, name_optimizer_state
 from .registry import Registry
+from .runtime.artifacts import CacheOptions
 
 StepFunction = Callable[[Mapping[str, torch.Tensor]], Mapping[str, torch.Tensor]]
 

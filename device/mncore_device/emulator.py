@@ -19,18 +19,19 @@ from pathlib import Path
 import torch
 from typing_extensions import override
 
-from . import artifacts, trace_events
-from .artifacts import CacheOptions
+from . import trace_events
 from .backprop import backprop_step
 from .compile_keywords import CompileKeywords, warn_unhonoured
-from .compiled import CompiledFunction, DeviceSlot, TensorProxy
 from .context import Context, Role, StepFunction
 from .device import Backend
 from .errors import ContextInvalidatedError, InputSpecError, RegistrationError
-from .executors import CompiledCode, build_executor
 from .presets import Preset, load_preset
-from .specs import TensorSpec
-from .tracing import StateKind, TracedStep, trace_step
+from .runtime import artifacts
+from .runtime.artifacts import CacheOptions
+from .runtime.compiled import CompiledFunction, DeviceSlot, TensorProxy
+from .runtime.executors import CompiledCode, build_executor
+from .runtime.specs import TensorSpec
+from .runtime.tracing import StateKind, TracedStep, trace_step
 
 
 class RegisteredValueProxy:

@@ -41,16 +41,16 @@ from typing import Any
 import torch
 from typing_extensions import override
 
-from .artifacts import CacheOptions
 from .compile_keywords import CompileKeywords, warn_unhonoured
-from .compiled import TensorProxy
 from .context import Context, Role, StepFunction
 from .device import Backend, MNDevice, mlsdk_available, mlsdk_missing_message
 from .errors import MLSDKNotInstalledError, MNCoreError, RegistrationError
 from .naming import optimizer_name_prefix, set_tensor_name
 from .presets import PRESET_DIR
 from .registry import device_optimizer_for
-from .specs import TensorSpec, check_input_keys, conform_input
+from .runtime.artifacts import CacheOptions
+from .runtime.compiled import TensorProxy
+from .runtime.specs import TensorSpec, check_input_keys, conform_input
 
 # Where MLSDK's compile presets (debug.json, O0.json ... O4.json) live on SDK images; PFN's
 # examples read $PRESET_OPTIONS_DIR first.

@@ -35,14 +35,15 @@ from torch._dynamo.source import ConstDictKeySource
 from torch.utils._pytree import keystr, tree_flatten_with_path
 from torch.utils.data import DataLoader
 
-from mncore_device import Context, StaticGraphError, artifacts
+from mncore_device import Context, StaticGraphError
 from mncore_device._source import frames_of, user_frame_summary
 from mncore_device.capture import InputKind
+from mncore_device.runtime import artifacts
 
-from ..captured_groups import CapturedStepGroup
-from ..captured_hooks import CapturedHook
 from ..data import StepGroup
-from ..manual_host import is_host_call
+from ..steps.groups import CapturedStepGroup
+from ..steps.hooks import CapturedHook
+from ..steps.manual_host import is_host_call
 from ..strategy import MNCoreStrategy
 from . import graph as graphs
 from .report import DataReport, GraphBreak, GuardedValue, HookReport, Memory, PreflightReport
@@ -64,7 +65,7 @@ STAGE_HOOKS = {
 }
 _LINE = re.compile(r"([^\s(\[]+\.py:\d+)")
 _SCHEDULER_STEP = (
-    "scheduler_step"  # the marker a manual step's `sch.step()` leaves (captured_manual)
+    "scheduler_step"  # the marker a manual step's `sch.step()` leaves (steps/manual.py)
 )
 
 

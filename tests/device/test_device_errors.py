@@ -500,8 +500,8 @@ def test_debug_preset_skips_views_of_unwritten_allocations_but_checks_views_of_v
     NaN is still reported at the op that made it."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from mncore_device import executors
-    from mncore_device.executors import _FiniteCheckingInterpreter
+    from mncore_device.runtime import executors
+    from mncore_device.runtime.executors import _FiniteCheckingInterpreter
 
     def unwritten(x):
         buffer = torch.empty_like(x).permute(1, 0)

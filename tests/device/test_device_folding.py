@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mncore_device import StaticGraphError
-from mncore_device.tracing import trace_step
+from mncore_device.runtime.tracing import trace_step
 from tests.device.device_testing import (
     assert_state_close,
     classification_batches,

@@ -533,7 +533,7 @@ def test_o1_keeps_a_weight_gradient_matmul_apart_from_its_momentum_add(alpha, ap
     from torch._higher_order_ops.flex_gemm import _PRESERVE_FLEX_GEMM_GEMM_OP as preserve
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from mncore_device.executors import _matmuls_apart_from_full_size_adds
+    from mncore_device.runtime.executors import _matmuls_apart_from_full_size_adds
 
     kwargs = {} if alpha is None else {"alpha": alpha}
 

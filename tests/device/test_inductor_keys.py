@@ -9,7 +9,7 @@ import os
 
 from torch._inductor import codecache
 
-from mncore_device import inductor_keys
+from mncore_device.runtime import inductor_keys
 
 
 def test_remembered_keys_are_inductors_own_and_a_stale_entry_is_recomputed(tmp_path, monkeypatch):

@@ -219,8 +219,8 @@ def test_convolutions_go_channels_last_where_a_graph_has_depthwise_ones(
     layout optimization is on for graphs with a depthwise convolution only."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from mncore_device.executors import _inductor_options
     from mncore_device.presets import load_preset
+    from mncore_device.runtime.executors import _inductor_options
 
     args = [torch.randn(2, 4, 6, 6), torch.randn(4, 4 // groups, 3, 3)]
     gm = make_fx(lambda x, w: F.conv2d(x, w, groups=groups))(*args)

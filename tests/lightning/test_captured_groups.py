@@ -1,4 +1,4 @@
-"""MNCoreStrategy(steps_per_call=K) on the TorchDynamo capture (captured_groups.py).
+"""MNCoreStrategy(steps_per_call=K) on the TorchDynamo capture (steps/groups.py).
 
 Each group of K batches is ONE device call, and each of its steps runs the user's Python as
 a step on cpu does: a value changed by a hook between epochs (a tuple attribute), a branch on global_step that flips inside a group, a tensor a step
@@ -21,7 +21,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from mncore_device import StaticGraphError
 from mncore_lightning import MNCoreStrategy
-from mncore_lightning.captured_groups import GROUP_KEY
+from mncore_lightning.steps.groups import GROUP_KEY
 from tests.lightning.lightning_testing import (
     ATOL,
     LitClassifier,

@@ -214,7 +214,7 @@ def test_gradient_all_reduce_is_inside_the_training_graph(lightning_launch):
 def test_the_data_parallel_step_is_captured_by_dynamo(lightning_launch):
     """The in-graph all-reduce step (with accumulation, with SyncBatchNorm) and the split
     step's forward+backward (also on MLSDK) run on the TorchDynamo capture
-    (captured_hooks.py) on every rank."""
+    (steps/hooks.py) on every rank."""
     for run in ("mncore", "mncore_acc", "mncore_syncbn", "split", "split_acc", "mlsdk"):
         got = [g["train_capture"] for g in _results(lightning_launch, run)]
         assert got == ["dynamo", "dynamo"], run

@@ -715,7 +715,7 @@ def _counting(writer: Any, calls: list) -> None:
             calls.append((_name, tag, torch.as_tensor(value).detach().clone(), args))
             return _original(tag, value, *args, **kwargs)
 
-        # host code, as the writer's own methods are (captured_hooks.py): the counting is the
+        # host code, as the writer's own methods are (steps/hooks.py): the counting is the
         # test's instrumentation, not code of the step
         setattr(writer, name, torch.compiler.disable(counted))
 

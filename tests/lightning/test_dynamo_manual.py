@@ -1,4 +1,4 @@
-"""Manual optimization captured by TorchDynamo (captured_manual.py): a training_step that calls
+"""Manual optimization captured by TorchDynamo (steps/manual.py): a training_step that calls
 manual_backward, opt.step(), opt.zero_grad(), clip_gradients, toggle_optimizer and a scheduler's
 step() itself is ONE device call per step, and trains as accelerator="cpu" does.
 
@@ -8,7 +8,7 @@ callback metrics and weights (ATOL = 1e-5) and trainer.global_step (one per opt.
 Lightning counts in manual optimization), and that the step was captured by Dynamo: no graph
 break, one device call per training batch. A step that reads
 what only the host has (its gradients, a learning rate after its scheduler's step) runs
-host-driven instead (manual_host.py; more in test_manual_host.py).
+host-driven instead (steps/manual_host.py; more in test_manual_host.py).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class Captured(L.Callback):
         self.breaks: list[str] = []
         self.calls = 0
         self.batches = 0
-        self.host_calls_per_step: int | None = None  # a host-driven step's (manual_host.py)
+        self.host_calls_per_step: int | None = None  # a host-driven step's (steps/manual_host.py)
 
     def on_train_batch_end(self, *args: Any) -> None:
         self.batches += 1
@@ -390,7 +390,7 @@ class ScalesGradients(Manual):
 def test_a_step_reading_gradients_runs_host_driven_as_on_cpu(caplog):
     """Gradients exist only in a one-call device graph: Dynamo would read the host's (None)
     and skip the loop silently. The read is found by its guard, and the step runs
-    host-driven (manual_host.py): the gradients are the host's p.grad, as on cpu."""
+    host-driven (steps/manual_host.py): the gradients are the host's p.grad, as on cpu."""
     _, _, _, said = host_driven(ScalesGradients, caplog, epochs=1, batches=2)
     where = f"{__file__}:{_line_of(ScalesGradients.training_step, 'p.grad.mul_')}"
     assert "reads gradients" in said and where in said, said

@@ -4,7 +4,7 @@ A training step with `print`, a NumPy draw or a logger call in the middle of its
 several TorchDynamo graphs. Each runs as a forward device call (keeping what its backward
 needs) and a backward device call, wrapped as one autograd function, so the host's backward
 after the step runs through them in reverse; the update is one more device call
-(mncore_device.capture.autograd_graphs, captured_hooks.CapturedHook._split_update). Each test
+(mncore_device.capture.autograd_graphs, steps.hooks.CapturedHook._split_update). Each test
 fits a tiny model with accelerator="cpu" and "mncore" (preset O0, same seed, same batches)
 and compares every loss, every logged value, the final metrics and the weights and buffers
 within ATOL = 1e-5.

@@ -1,4 +1,4 @@
-"""Manual-optimization steps that only the host can run as cpu does, host-driven (manual_host.py).
+"""Manual-optimization steps that only the host can run as cpu does, host-driven (steps/manual_host.py).
 
 A manual training_step with host code (print, a NumPy draw, a branch on a tensor's value), or
 one that reads p.grad, runs as on cpu: each Dynamo graph between host code is a forward and a
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from mncore_device import StaticGraphError
 from mncore_lightning import MNCoreStrategy
-from mncore_lightning.manual_host import HOST_CALL, HostManualSteps
+from mncore_lightning.steps.manual_host import HOST_CALL, HostManualSteps
 from tests.lightning.lightning_testing import ATOL
 from tests.lightning.test_dynamo_capture import _fit, _line_of
 from tests.lightning.test_dynamo_manual import (

@@ -195,7 +195,7 @@ class LogsItsSchedulerAfterStepping(PlateauInTheStep):
 
 def test_a_scheduler_read_after_its_step_in_a_manual_step_reads_as_on_cpu():
     """The reads after sch.step() need the scheduler stepped at once: the step runs
-    host-driven on the Dynamo capture (manual_host.py)."""
+    host-driven on the Dynamo capture (steps/manual_host.py)."""
     cpu_trainer, cpu = _fit("cpu", LogsItsSchedulerAfterStepping, _random_data)
     captured = Captured()
     mn_trainer, mn = _fit(

@@ -67,8 +67,8 @@ from torch._subclasses.fake_tensor import is_fake
 
 from .._source import user_frame
 from ..errors import StaticGraphError
-from ..specs import TensorSpec, check_input_keys, check_real, conform_input
-from ..tracing import _check_outputs
+from ..runtime.specs import TensorSpec, check_input_keys, check_real, conform_input
+from ..runtime.tracing import _check_outputs
 from .dynamo import MUTATED_PREFIX, CapturedGraph, DynamoFrontend, InputKind
 from .scalars import ScalarsAsTensors
 from .training_calls import substituted

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import InputSpecError
+from ..errors import InputSpecError
 
 
 @dataclass(frozen=True)

@@ -18,11 +18,11 @@ import torch
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from ._source import user_frame_from_stack_trace
-from .errors import InductorFallbackWarning, NonFiniteError
+from .._source import user_frame_from_stack_trace
+from ..errors import InductorFallbackWarning, NonFiniteError
+from ..presets import Preset
 from .inductor_keys import apply_remembered_source_keys
 from .opaque_ops import make_opaque
-from .presets import Preset
 from .tracing import _is_view_of
 
 aten = torch.ops.aten

@@ -49,14 +49,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ._source import (
+from .._source import (
     backward_frame_summary,
     called_from_user_code,
     user_frame,
     user_frame_summary,
 )
-from .errors import StaticGraphError
-from .naming import get_tensor_name
+from ..errors import StaticGraphError
+from ..naming import get_tensor_name
 from .specs import TensorSpec, check_real
 
 aten = torch.ops.aten

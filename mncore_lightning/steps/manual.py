@@ -20,13 +20,13 @@ is appended to a list while Dynamo runs the step; Dynamo replays the appends aft
 call, with the values the graph computed (`ReduceLROnPlateau.step(loss)` gets each step's
 loss), and the calls run on the host in the step's order, once per call.
 
-Gradients are device state between calls, None where cpu's are (manual_gradients.py): a
+Gradients are device state between calls, None where cpu's are (steps/manual_gradients.py): a
 step that does not zero them (accumulation by hand, `if (batch_idx + 1) % n == 0:
 opt.step()`) adds to the previous step's, as on cpu.
 
 A step that one device call cannot run as cpu does (host code, a read of `p.grad`, a read of
 what a scheduler's `step()` in the step changed) is found while Dynamo captures it, before
-anything of it ran, and runs host-driven from then on (`ManualHook`, manual_host.py).
+anything of it ran, and runs host-driven from then on (`ManualHook`, steps/manual_host.py).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from mncore_device._source import user_frame
 from mncore_device.capture import CapturedGraph, traced_call
 from mncore_device.capture.autograd_graphs import DifferentiableGraph
 
-from .captured_hooks import CapturedHook
+from .hooks import CapturedHook
 from .manual_gradients import ManualGradients
 from .manual_host import HostDriven, HostManualSteps, readable
 
@@ -156,7 +156,7 @@ class ManualSteps:
 
     def check_capture(self, captured: CapturedGraph) -> None:
         """While Dynamo hands over a graph, what it read that a one-call manual step cannot
-        give as cpu would; such a step runs host-driven instead (HostDriven, manual_host.py),
+        give as cpu would; such a step runs host-driven instead (HostDriven, steps/manual_host.py),
         where the read gives cpu's value. Dynamo guards what the step read (or makes it a
         graph input):
 
@@ -207,7 +207,7 @@ class ManualSteps:
     # --- the markers' work, while the device graph is traced ------------------------------------
 
     # (`_mncore_grads`: which gradients exist, passed so that Dynamo guards it: see
-    # manual_gradients.py; the work does not need it)
+    # steps/manual_gradients.py; the work does not need it)
 
     def _scheduler_stepped(self) -> torch.Tensor:
         return torch.zeros(())  # the scheduler steps on the host, after the call
@@ -300,7 +300,7 @@ class ManualSteps:
     @contextlib.contextmanager
     def tracing(self) -> Iterator[TracedStep]:
         """While the device graph is traced: the real methods, the gradients from their device
-        buffers (manual_gradients.py), and the precision plugin running backward and the
+        buffers (steps/manual_gradients.py), and the precision plugin running backward and the
         update into the graph. The hooks that run there (`on_after_backward`,
         `on_before_optimizer_step`: they read gradients) log into the `TracedStep` yielded,
         whose tensors the device graph returns."""
@@ -470,7 +470,7 @@ class ManualHook(CapturedHook):
     """A manual-optimization `training_step`: ONE device call per step (ManualSteps' markers),
     until Dynamo finds something in it that only the host can run as cpu does (HostDriven:
     host code, a gradient read, a read after a scheduler's step); from then on, for the rest
-    of the fit, a hook made with `host` (the reason) runs it host-driven (manual_host.py).
+    of the fit, a hook made with `host` (the reason) runs it host-driven (steps/manual_host.py).
 
     The one-call step is captured with Dynamo's fullgraph (nopython) mode: a graph break is an
     error before anything of the step ran (Dynamo runs nothing of a frame it could not

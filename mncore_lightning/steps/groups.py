@@ -42,8 +42,8 @@ from mncore_device import StaticGraphError
 from mncore_device.capture import CapturedGraph, InputKind, ScalarsAsTensors
 from mncore_device.capture.dynamo import MUTATED_PREFIX
 
-from .captured_hooks import CapturedHook, _leading_size
-from .host_sync import GRADIENT_HOOKS
+from ..host_sync import GRADIENT_HOOKS
+from .hooks import CapturedHook, _leading_size
 from .update import loss_of
 
 # the key of the group hook among the strategy's captured hooks (stage, window, update, kind)

@@ -7,8 +7,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from . import trace_events
-from .errors import ContextInvalidatedError
+from .. import trace_events
+from ..errors import ContextInvalidatedError
 from .executors import Executor
 from .specs import TensorSpec, check_input_keys, check_real, conform_input
 from .tracing import StateKind

@@ -20,7 +20,7 @@ would sync (every training step that ends with a gradient all-reduce, then the n
 training or the first validation batch of a fit), rank 0's buffers are copied to every rank's
 device; each rank then updates them with its own batch. `broadcast_buffers=False` keeps them
 per rank, as DDP with that flag. A checkpoint holds rank 0's. SyncBatchNorm (`Trainer(sync_batchnorm=True)`) normalizes with the
-statistics of the global batch inside the one compiled step (sync_batchnorm.py), so its running
+statistics of the global batch inside the one compiled step (parallel/sync_batchnorm.py), so its running
 statistics agree across ranks; the split step refuses it.
 """
 
@@ -44,10 +44,10 @@ from torch.distributed.constants import default_pg_timeout
 
 from mncore_device import Backend, MNDevice, resolve_backend
 
-from .device_selection import rank_device, resolve_device
-from .strategy import CompiledSteps
+from ..device_selection import rank_device, resolve_device
+from ..steps.update import backward_and_update
+from ..strategy import CompiledSteps
 from .sync_batchnorm import traced_sync_batchnorm
-from .update import backward_and_update
 
 
 class MNCoreDDPStrategy(CompiledSteps, DDPStrategy):
@@ -212,7 +212,7 @@ class MNCoreDDPStrategy(CompiledSteps, DDPStrategy):
         self._update_hook = None
 
     def _captured_training_step(self, args: tuple, manual: bool, window: int, update: bool) -> Any:
-        """The step captured by TorchDynamo (captured_hooks.py); its SyncBatchNorm layers
+        """The step captured by TorchDynamo (steps/hooks.py); its SyncBatchNorm layers
         exchange statistics with functional collectives, which Dynamo keeps in its graph.
         A split step's forward+backward leaves the gradients in device buffers; the host
         all-reduce and the compiled update follow (_after_train_call)."""

@@ -36,9 +36,9 @@ from pathlib import Path
 
 import torch
 
-from .errors import CodegenDirError
+from ..errors import CodegenDirError
+from ..presets import Preset
 from .graph_json import GraphFormatError, graph_from_json, graph_to_json
-from .presets import Preset
 from .specs import TensorSpec
 from .tracing import StateBinding, StateKind, TracedStep
 

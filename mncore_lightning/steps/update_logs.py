@@ -24,7 +24,7 @@ _HOOK = "configure_gradient_clipping"
 def recording_update_logs(module: Any) -> Iterator[Any]:
     """While the update is traced: `module.log` / `log_dict` record into the TracedStep
     yielded, and `configure_gradient_clipping` runs under its own hook name."""
-    from .captured_manual import TracedStep  # captured_manual imports captured_hooks
+    from .manual import TracedStep  # captured_manual imports captured_hooks
 
     traced = TracedStep(module)
     state = module.__dict__

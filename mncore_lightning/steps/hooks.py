@@ -43,7 +43,7 @@ from mncore_device.capture.autograd_graphs import DifferentiableGraph, StandIns
 from mncore_device.capture.batch_leaves import BatchStandIns
 from mncore_device.capture.dynamo import own_code
 
-from .log_replay import RecordedLogs
+from .logs import RecordedLogs
 from .update import backward_and_update, loss_of
 from .update_logs import recording_update_logs
 
@@ -95,7 +95,7 @@ _COUNTERS = (
     r"^L\['(batch_idx|dataloader_idx)'\]$",
     r".*\._trainer\..*",
     r".*\['args'\]\[0\].*:0",
-    r".*\.optim_step_progress\..*",  # a manual step's optimizer-step count (captured_manual.py)
+    r".*\.optim_step_progress\..*",  # a manual step's optimizer-step count (steps/manual.py)
 )
 
 
