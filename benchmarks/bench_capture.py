@@ -193,8 +193,8 @@ def guards(mode: str, calls: int) -> dict:
     import lightning as L
     import torch
 
+    from mncore_device import CompiledFunction  # (not mncore_device.runtime: --before lacks it)
     from mncore_device.capture import dynamo
-    from mncore_device.runtime.compiled import CompiledFunction
 
     graph_calls: list = []  # every _GraphCall built; each keeps its latest call's arguments
     init, call = dynamo._GraphCall.__init__, dynamo._GraphCall.__call__

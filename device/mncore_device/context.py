@@ -83,6 +83,7 @@ class Context(ABC):
                 f"use Context({str(self.device)!r}, backend={backend!r}) instead"
             )
         self._registered: dict[str, torch.Tensor] = {}  # name -> host tensor
+        self._roles: dict[str, Role] = {}  # name -> the register_<role> call that made it
         self._names: dict[int, str] = {}  # id(host tensor) -> name
         self._optimizers: list[torch.optim.Optimizer] = []
         self._invalidated = False
@@ -125,6 +126,7 @@ class Context(ABC):
         self._release()
         self._invalidated = True
         self._registered.clear()
+        self._roles.clear()
         self._names.clear()
         self._optimizers.clear()
         if Context._current is self:
@@ -173,7 +175,7 @@ class Context(ABC):
         if new or optimizer not in self._optimizers:
             self._add_optimizer(optimizer, new)
         for name, tensor in new:
-            self._remember(name, tensor)
+            self._remember(name, tensor, Role.OPTIMIZER)
         if optimizer not in self._optimizers:
             self._optimizers.append(optimizer)
 
@@ -186,7 +188,7 @@ class Context(ABC):
             return
         self._check_name_free(name, tensor, role)
         self._add_tensor(name, tensor, role)
-        self._remember(name, tensor)
+        self._remember(name, tensor, role)
 
     def _name_of(self, tensor: torch.Tensor, role: Role) -> str:
         name = get_tensor_name(tensor) or self._backend_name(tensor)
@@ -210,8 +212,9 @@ class Context(ABC):
                 "give each model its own prefix in set_tensor_name_in_module"
             )
 
-    def _remember(self, name: str, tensor: torch.Tensor) -> None:
+    def _remember(self, name: str, tensor: torch.Tensor, role: Role) -> None:
         self._registered[name] = tensor
+        self._roles[name] = role
         self._names[id(tensor)] = name
 
     def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:

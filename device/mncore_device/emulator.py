@@ -197,7 +197,12 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
                 )
             function, inputs = backprop_step(function, inputs, keywords.optimizers)
         traced = trace_step(
-            function, inputs, dict(self._registered), self._optimizers, autocast_dtype
+            function,
+            inputs,
+            dict(self._registered),
+            self._optimizers,
+            autocast_dtype,
+            roles={n: r.value for n, r in self._roles.items()},
         )
         traced = artifacts.canonical(traced)
         _check_constraints(traced, keywords.io_spec_constraints or {})
@@ -367,6 +372,7 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
             cache_hit=hit,
             copied_outputs=traced.outputs_aliasing_state,
             name=name,
+            signature=traced.signature,
         )
         function._compiled_code = compiled_code  # its files stay while the function lives
         self._functions.add(function)

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule
 
+from mncore_device.capture.markers import tagged_output
+
 _LIGHTNING_LOG = LightningModule.log
 
 
@@ -29,8 +31,8 @@ class RecordedLogs:
         self._derived: dict[tuple[int, str, int | None], tuple[DerivedLog | None, Any]] = {}
 
     def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            value = value.detach()
+        if isinstance(value, torch.Tensor):  # a log value in the device graph's signature
+            value = tagged_output(value.detach(), "log_value", name)  # a literal: no guard
         self.calls.append((name, value, args, kwargs))
 
     def log_dict(self, dictionary: Mapping[str, Any], *args: Any, **kwargs: Any) -> None:

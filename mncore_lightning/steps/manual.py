@@ -44,6 +44,7 @@ from mncore_device import StaticGraphError
 from mncore_device._source import user_frame
 from mncore_device.capture import CapturedGraph, traced_call
 from mncore_device.capture.autograd_graphs import DifferentiableGraph
+from mncore_device.runtime import signature
 
 from .hooks import CapturedHook
 from .manual_gradients import ManualGradients
@@ -374,6 +375,7 @@ class TracedStep:
         if isinstance(value, torch.Tensor):
             key = f"{self.PREFIX}{len(self.calls)}"
             self.outputs[key] = value.detach()
+            signature.note_output(self.outputs[key], signature.OutputKind.LOG_VALUE, name)
             value = None
         fx = self.module._current_fx_name
         self.calls.append((name, key, value, args, kwargs, fx))

@@ -14,6 +14,9 @@ from typing import Any
 
 import torch
 
+from mncore_device.naming import get_tensor_name
+from mncore_device.runtime import signature
+
 GRAD_PREFIX = "grad/"
 # The preset whose executor checks every op for NaN (and inf reaching the step's results) and
 # stops the step at the first op that made one: what Trainer(detect_anomaly=True) runs.
@@ -49,8 +52,10 @@ def backward_and_update(
     if gradient_params is not None:  # copies: clipping and the update change the grads in place
         for index, param in enumerate(params):
             if param.grad is not None:
-                gradients[f"{GRAD_PREFIX}{index}"] = param.grad.detach().clone()
+                gradient = gradients[f"{GRAD_PREFIX}{index}"] = param.grad.detach().clone()
                 gradient_params[f"{GRAD_PREFIX}{index}"] = param
+                name = get_tensor_name(param) or f"param_groups param {index}"
+                signature.note_output(gradient, signature.OutputKind.GRADIENT, name)
     if update:
         # As Lightning: the hook is always called; its default clips only if asked to.
         clip_val, clip_algorithm = gradient_clipping

@@ -67,9 +67,11 @@ from torch._subclasses.fake_tensor import is_fake
 
 from .._source import user_frame
 from ..errors import StaticGraphError
+from ..runtime.signature import OutputKind
 from ..runtime.specs import TensorSpec, check_input_keys, check_real, conform_input
 from ..runtime.tracing import _check_outputs
 from .dynamo import MUTATED_PREFIX, CapturedGraph, DynamoFrontend, InputKind
+from .markers import tagged_output
 from .scalars import ScalarsAsTensors
 from .training_calls import substituted
 
@@ -82,15 +84,6 @@ ReplayCompiler = Callable[[Callable[..., Any], Mapping[str, torch.Tensor], Any],
 
 class RecompileWarning(UserWarning):
     """A value the compiled function reads changed: it was captured and compiled again."""
-
-
-def _named_output(value: torch.Tensor, key: str) -> torch.Tensor:
-    """Marks the graph output the function returns as `key` (the device output's name)."""
-    return value
-
-
-_named_output.__qualname__ = _named_output.__name__ = "mncore_named_output"
-torch._dynamo.allow_in_graph(_named_output)
 
 
 def is_replay(function: Any) -> bool:
@@ -135,7 +128,9 @@ class CapturedFunction:
             result = function(inputs)
             if isinstance(result, Mapping):
                 return {
-                    key: _named_output(value, key) if isinstance(value, torch.Tensor) else value
+                    key: tagged_output(value, "user_output", key)  # a literal: no guard
+                    if isinstance(value, torch.Tensor)
+                    else value
                     for key, value in result.items()
                 }
             return result
@@ -382,7 +377,8 @@ def _output_keys(captured: CapturedGraph) -> list[str]:
     keys = []
     for index, value in enumerate(output.args[0]):
         target = getattr(value, "target", None)
-        keys.append(value.args[1] if target is _named_output else f"{OUTPUT_PREFIX}{index}")
+        named = target is tagged_output and value.args[1] == OutputKind.USER_OUTPUT.value
+        keys.append(value.args[2] if named else f"{OUTPUT_PREFIX}{index}")
     return keys
 
 

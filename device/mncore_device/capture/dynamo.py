@@ -40,9 +40,11 @@ from torch import fx
 
 from .._source import user_frame
 from ..errors import StaticGraphError
+from ..runtime import signature
 from .as_tensor import as_tensor_follows_numbers
 from .batch_leaves import isinstance_sees_the_value
 from .host_random import existing_generators_are_host_code
+from .markers import tagged_output
 from .scalars import ScalarsAsTensors
 
 # Dynamo's settings for a captured step: `.item()` stays in the graph as a value; an int
@@ -205,6 +207,12 @@ class CapturedGuard:
     value: Any = None  # a value guard's value when the graph was captured
     has_value: bool = False  # whether `value` is that (a value guard, read back)
 
+    def __str__(self) -> str:
+        """`L['self'].scale == 0.5` for a value guard, else `TYPE_MATCH L['self'].scale`."""
+        if self.has_value:
+            return f"{self.source.name} == {self.value!r}"
+        return f"{self.kind} {self.source.name}"
+
 
 @dataclasses.dataclass(frozen=True)
 class GraphSources:
@@ -258,6 +266,7 @@ class CapturedGraph:
     examples: list[Any]  # what Dynamo gave for each input this time
     number_outputs: list[bool]  # which outputs are Python numbers (returned as such)
     index: int  # its position among the captured graphs
+    guards: tuple[str, ...] = ()  # Dynamo's guards on values (CapturedGuard), for its signature
 
     @classmethod
     def of(
@@ -266,6 +275,7 @@ class CapturedGraph:
         examples: Sequence[Any],
         is_state: Callable[[torch.Tensor], bool],
         index: int,
+        guards: Sequence[CapturedGuard] = (),
     ) -> CapturedGraph:
         placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
         inputs = []
@@ -291,7 +301,9 @@ class CapturedGraph:
             isinstance(getattr(v, "meta", {}).get("example_value"), (torch.SymInt, torch.SymFloat))
             for v in output.args[0]
         ]
-        return cls(graph_module, inputs, values, number_outputs, index)
+        # the Python values it was captured under (not Dynamo's type and identity checks)
+        guard_lines = tuple(dict.fromkeys(str(g) for g in guards if g.has_value))
+        return cls(graph_module, inputs, values, number_outputs, index, guard_lines)
 
     def sample(self) -> dict[str, torch.Tensor]:
         """The device function's inputs for the examples (what compile traces with)."""
@@ -352,9 +364,13 @@ class CapturedGraph:
         tensors = {}
         for spec, example in zip(self.inputs, self.examples, strict=True):
             if spec.kind in (InputKind.TENSOR, InputKind.NUMBER):
-                values.append(inputs[spec.name])
+                value = inputs[spec.name]
+                values.append(value)
                 if spec.kind is InputKind.TENSOR:
-                    tensors[spec.name] = (inputs[spec.name], inputs[spec.name]._version)
+                    tensors[spec.name] = (value, value._version, spec.source)
+                    signature.note_input(value, signature.InputKind.BATCH, spec.source)
+                else:
+                    signature.note_input(value, signature.InputKind.SCALAR, spec.source)
             else:
                 values.append(example)  # the registered tensor, or the fixed number
         numbers = {s.name for s in self.inputs if s.kind is InputKind.NUMBER}
@@ -364,10 +380,24 @@ class CapturedGraph:
             str(i): value if isinstance(value, torch.Tensor) else torch.tensor(value)
             for i, value in enumerate(outputs)
         }
-        for name, (tensor, version) in tensors.items():
+        for index, (kind, name) in self._tagged_outputs.items():
+            signature.note_output(result[str(index)], kind, name)
+        for name, (tensor, version, source) in tensors.items():
             if tensor._version != version:
                 result[MUTATED_PREFIX + name] = tensor
+                signature.note_output(tensor, signature.OutputKind.INPUT_MUTATION, source)
+        signature.note_guards(self.guards)
         return result
+
+    @functools.cached_property
+    def _tagged_outputs(self) -> dict[int, tuple[signature.OutputKind, str]]:
+        """The outputs the step marked (`tagged_output`): their kind and name, by position."""
+        output = next(n for n in self.graph_module.graph.nodes if n.op == "output")
+        return {
+            index: (signature.OutputKind(node.args[1]), str(node.args[2]))
+            for index, node in enumerate(output.args[0])
+            if getattr(node, "target", None) is tagged_output
+        }
 
     def results(
         self, args: Sequence[Any], outputs: Mapping[str, torch.Tensor]
@@ -532,7 +562,10 @@ class DynamoFrontend:
             self._failed_guard = failure.reason
 
     def _backend(self, graph_module: fx.GraphModule, examples: list[Any]) -> Callable[..., Any]:
-        captured = CapturedGraph.of(graph_module, examples, self._is_state, len(self.graphs))
+        sources = GraphSources.of_current_trace(graph_module)
+        captured = CapturedGraph.of(
+            graph_module, examples, self._is_state, len(self.graphs), sources.guards
+        )
         if self._failed_guard is not None:
             reason = self._failed_guard
             self._failed_guard = None
@@ -546,7 +579,7 @@ class DynamoFrontend:
                 )
             self._on_retrace(reason)
         self.graphs.append(captured)
-        self.sources.append(GraphSources.of_current_trace(graph_module))
+        self.sources.append(sources)
         return _GraphCall(
             captured,
             _weakly(self._compile_graph),

@@ -49,3 +49,14 @@ def traced_call(
     marker.__name__ = marker.__qualname__ = name
     torch.fx.node.has_side_effect(marker)
     return torch._dynamo.allow_in_graph(marker)
+
+
+def tagged_output(value: torch.Tensor, kind: str, name: str) -> torch.Tensor:
+    """`value`, marked in the captured graph as an output of `kind` (runtime.signature's
+    OutputKind: "user_output", "log_value", ...) named `name`: one node Dynamo keeps, which
+    `CapturedGraph.run` reads to type the device graph's output (it computes nothing)."""
+    return value
+
+
+tagged_output.__qualname__ = tagged_output.__name__ = "mncore_tagged_output"
+torch._dynamo.allow_in_graph(tagged_output)

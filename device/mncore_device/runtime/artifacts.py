@@ -39,6 +39,7 @@ import torch
 from ..errors import CodegenDirError
 from ..presets import Preset
 from .graph_json import GraphFormatError, graph_from_json, graph_to_json
+from .signature import GraphSignature
 from .specs import TensorSpec
 from .tracing import StateBinding, StateKind, TracedStep
 
@@ -88,6 +89,7 @@ def describe(traced: TracedStep) -> dict:
             }
             for s in traced.state
         ],
+        **({"signature": traced.signature.to_json()} if traced.signature is not None else {}),
     }
 
 
@@ -304,6 +306,7 @@ def load(path: Path) -> tuple[TracedStep, dict]:
             state,
             {k: TensorSpec.from_json(v) for k, v in specs["inputs"].items()},
             {k: TensorSpec.from_json(v) for k, v in specs["outputs"].items()},
+            GraphSignature.from_json(specs["signature"]) if "signature" in specs else None,
         )
         Preset(**specs["preset"])
     except CodegenDirError:
@@ -349,8 +352,9 @@ def compiled_code_key(specs: dict, preset: Preset, device: torch.device) -> str:
 
 def cache_key(traced: TracedStep, specs: dict, preset: Preset, device: torch.device) -> str:
     """Same graph, shapes, state layout, preset and device: same key."""
+    layout = {k: v for k, v in specs.items() if k != "signature"}  # names and guards: not code
     text = json.dumps(
-        [traced.graph_module.code, specs, preset.to_json(), device.type], sort_keys=True
+        [traced.graph_module.code, layout, preset.to_json(), device.type], sort_keys=True
     )
     return hashlib.sha256(text.encode()).hexdigest()
 

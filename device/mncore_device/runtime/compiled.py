@@ -10,6 +10,7 @@ import torch
 from .. import trace_events
 from ..errors import ContextInvalidatedError
 from .executors import Executor
+from .signature import GraphSignature
 from .specs import TensorSpec, check_input_keys, check_real, conform_input
 from .tracing import StateKind
 
@@ -91,8 +92,11 @@ class CompiledFunction:
         cache_hit: bool = False,
         copied_outputs: Sequence[int] = (),
         name: str = "function",
+        signature: GraphSignature | None = None,
     ) -> None:
         self.name = name
+        # what each input and output of its graph is (parameter, batch, log value, ...)
+        self.signature = signature
         self._executor = executor
         self._state = list(state)
         self._mutated = list(mutated)

@@ -57,6 +57,8 @@ from .._source import (
 )
 from ..errors import StaticGraphError
 from ..naming import get_tensor_name
+from . import signature
+from .signature import STATE_KINDS, GraphSignature, OutputSpec
 from .specs import TensorSpec, check_real
 
 aten = torch.ops.aten
@@ -109,6 +111,22 @@ class StateBinding:
     kind: StateKind
     tensor: torch.Tensor  # the host tensor (or, after loading a codegen dir, its saved value)
     mutated: bool = False
+    role: str | None = None  # a registered tensor's: "param", "buffer" or "optimizer"
+
+    @property
+    def input_kind(self) -> signature.InputKind:
+        """What this state is in the graph's signature."""
+        if self.kind is StateKind.CONSTANT:
+            return signature.InputKind.CONSTANT
+        if self.kind is StateKind.PRIVATE:
+            return signature.InputKind.PRIVATE_STATE
+        if self.role in STATE_KINDS:
+            return STATE_KINDS[self.role]
+        return (
+            signature.InputKind.PARAMETER
+            if self.tensor.requires_grad
+            else signature.InputKind.BUFFER
+        )
 
 
 @dataclass
@@ -119,6 +137,8 @@ class TracedStep:
     state: list[StateBinding]
     input_specs: dict[str, TensorSpec]
     output_specs: dict[str, TensorSpec]
+    # what each input and output is (None: untyped, a codegen dir of an older version)
+    signature: GraphSignature | None = None
 
     @property
     def mutated_state(self) -> list[int]:
@@ -147,12 +167,16 @@ def trace_step(
     registered: Mapping[str, torch.Tensor],
     optimizers: list[torch.optim.Optimizer] = (),
     autocast_dtype: torch.dtype | None = None,
+    roles: Mapping[str, str] = {},
 ) -> TracedStep:
     """Trace `function(sample)` into a functional graph over `registered` state.
 
     autocast_dtype: run the function under torch.autocast with this dtype (float_dtype
     "mixed"): the casts autocast inserts are recorded, so the graph computes as eager
-    autocast does."""
+    autocast does.
+    roles: each registered tensor's role ("param", "buffer", "optimizer"), by name, for the
+    graph's signature (the other inputs and the outputs are typed by what the function
+    tagged while it ran: runtime/signature.py)."""
     input_keys = list(sample)
     for key in input_keys:
         if not isinstance(sample[key], torch.Tensor):
@@ -164,6 +188,7 @@ def trace_step(
     reg_tensors = [registered[n] for n in reg_names]
     inputs = [sample[k].detach().clone() for k in input_keys]
     output_specs: dict[str, TensorSpec] = {}
+    output_kinds: list[OutputSpec] = []
     guard = _TraceGuard()
 
     def flat_step(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -177,20 +202,27 @@ def trace_step(
             _prints_noted(),
         ):
             result = function(batch)
-        result = _outputs_in_host_dtype(_check_outputs(result), args, autocast_dtype)
+        result = _check_outputs(result)
+        output_kinds[:] = [notes.output(k, v) for k, v in result.items()]
+        result = _outputs_in_host_dtype(result, args, autocast_dtype)
         output_specs.update((k, TensorSpec.of(v)) for k, v in result.items())
         return tuple(result[k] for k in output_specs)
 
     # Lazy GraphModules (as TorchInductor uses): the passes below each end with recompile(),
     # which for a large graph means generating and exec'ing thousands of lines of Python;
     # lazily, the code is generated once, if and when something calls or prints the graph.
-    with _rng_preserved(), _one_metadata_fake_mode(), _use_lazy_graph_module(True):
+    with (
+        _rng_preserved(),
+        _one_metadata_fake_mode(),
+        _use_lazy_graph_module(True),
+        signature.recording() as notes,
+    ):
         with _restored(reg_tensors, optimizers, guard), _no_node_values():
             gm = make_fx(flat_step, _DECOMPOSITIONS, tracing_mode="real")(*reg_tensors, *inputs)
         gm = _strip_profiler_ops(gm)
         constants = _lift_constants(gm, n_inputs_before=len(reg_tensors))
         state = [
-            StateBinding(n, StateKind.REGISTERED, t)
+            StateBinding(n, StateKind.REGISTERED, t, role=roles.get(n))
             for n, t in zip(reg_names, reg_tensors, strict=True)
         ]
         state += [
@@ -207,8 +239,14 @@ def trace_step(
     if unregistered:
         warnings.warn(_unregistered_message(unregistered), stacklevel=3)
     input_specs = {k: TensorSpec.of(sample[k]) for k in input_keys}
-    traced = TracedStep(functional, state, input_specs, output_specs)
-    return _prune_unused_state(traced)
+    traced = _prune_unused_state(TracedStep(functional, state, input_specs, output_specs))
+    traced.signature = signature.signature_of(
+        [(s.name, s.input_kind, s.mutated) for s in traced.state],
+        [notes.input(k, t) for k, t in zip(input_keys, inputs, strict=True)],
+        output_kinds,
+        notes.guards,
+    )
+    return traced
 
 
 def _unregistered_message(names: list[str], shown: int = 5) -> str:
