@@ -44,6 +44,7 @@ _SHARED = (
     "optimizers._convert",
     "parallel.sync_batchnorm",
     "steps.manual_gradients",
+    "steps.patches",
     "steps.update",
     "structure",
 )

@@ -9,8 +9,9 @@ registers the module's parameters and buffers and the optimizers' state with a d
 Context. The first training batch compiles zero_grad + training_step + backward + clipping +
 the update into one static graph (or the user's whole manual step); every later batch is one
 call of it. Validation, test and predict steps get forward-only graphs that read the device's
-current weights. What a step was traced for is checked at batch boundaries (guards.py) and
-the step traced again when it changed; host tensors are refreshed before the hooks the user
+current weights. What a step was traced for (module structure, trainable parameters, batch
+layout) is checked at batch boundaries (structure.py) and the step traced again when it
+changed; host tensors are refreshed before the hooks the user
 overrides and before checkpoints, and host edits are pushed back (host_sync.py).
 """
 
@@ -272,7 +273,7 @@ class CompiledSteps:
             raise MisconfigurationException(
                 f"MNCoreStrategy traced {what} again {self.max_retraces} times in the {stage} "
                 f"stage, and it changed once more: {reason}. A compiled step is traced for a "
-                "fixed module structure, carried tensors and batch layout; keep them fixed "
+                "fixed module structure, trainable parameters and batch layout; keep them fixed "
                 "between steps, or raise MNCoreStrategy(max_retraces=...)."
             )
         self._retraces_by_stage[stage] = count
@@ -647,8 +648,9 @@ class MNCoreStrategy(CompiledSteps, SingleDeviceStrategy):
             on PFN's MLSDK, "pfvm:*" on the emulator). backend="mlsdk" runs "pfvm:*" on
             MLSDK's own virtual machine.
         max_retraces: how often a stage's steps may be traced again because something they
-            were traced for changed (module structure, carried tensors); past it, an error
-            names what keeps changing.
+            were traced for changed (module structure, trainable parameters, batch layout) or
+            a value they read changed (Dynamo's re-compiles); past it, an error names what
+            keeps changing.
         steps_per_call: training batches run by one device call (default 1). With K > 1,
             the training DataLoader's batches are grouped K at a time and each group runs as
             one compiled graph holding K whole training steps (as Keras' steps_per_execution),

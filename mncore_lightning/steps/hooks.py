@@ -106,7 +106,7 @@ class CapturedHook:
     optimization); None for forward-only hooks.
     update_options: the keywords of `backward_and_update` (accumulation, clipping, ...).
     manual: for a manual-optimization `training_step`, its markers and host calls
-    (captured_manual.ManualSteps); the step is then one device call, as with `optimizer`;
+    (steps/manual.py's ManualSteps); the step is then one device call, as with `optimizer`;
     or its host calls when it runs host-driven (manual_host.HostManualSteps).
     compile_options: the keywords of `Context.compile` for each graph; "codegen_dir" is a
     function giving the folder of the next graph (or None).

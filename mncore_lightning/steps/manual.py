@@ -6,8 +6,8 @@ but cannot trace a backward, and torch.optim's `step` and `zero_grad` graph-brea
 While the step runs under Dynamo, those calls (and the ones that touch gradients or
 `requires_grad`: `clip_gradients`, `toggle_optimizer`, `untoggle_optimizer`) are markers
 (`mncore_device.capture.traced_call`): one graph node each, in the step's order. When the
-device graph is traced (make_fx), each marker does the real work there, as the make_fx
-path's manual step does (`MNCorePrecision.tracing_manual_step`): the backward with Lightning's
+device graph is traced (make_fx, of the replay), each marker does the real work there
+(`MNCorePrecision.tracing_manual_step`): the backward with Lightning's
 backward hooks, the update through the strategy's `optimizer_step` (with
 `on_before_optimizer_step`), torch.optim's `zero_grad`.
 
@@ -49,8 +49,7 @@ from mncore_device.runtime import signature
 from .hooks import CapturedHook
 from .manual_gradients import ManualGradients
 from .manual_host import HostDriven, HostManualSteps, readable
-
-_ABSENT = object()
+from .patches import Patches, patched
 
 
 @dataclasses.dataclass(eq=False)
@@ -71,8 +70,7 @@ class ManualSteps:
         self.module = module = strategy.lightning_module
         self.host_calls: list[tuple[_HostCall, tuple, dict]] = []
         self.calls: dict[Any, Callable[..., Any]] = {}  # marker -> its work (device graph)
-        self._patches: list[tuple[dict, str, Any]] = []  # (an object's __dict__, name, new)
-        self._saved: list[tuple[dict, str, Any]] = []
+        self._patches = Patches()
         self._received: tuple[TracedStep, Mapping[str, torch.Tensor]] | None = None
         # gradients are device state: registered before anything is compiled
         self._gradients = gradients = ManualGradients(strategy._gradient_buffers())
@@ -123,37 +121,34 @@ class ManualSteps:
             ("untoggle_optimizer", untoggle_optimizer),
             ("clip_gradients", clip_gradients),
         ):
-            self._patches.append((module.__dict__, name, function))
+            self._patches.add(module.__dict__, name, function)
         for index, (lopt, opt) in enumerate(pairs):
             zero = self._marker(f"zero_grad_{index}", self._zero_grad(opt))
             update = self._marker(f"optimizer_step_{index}", self._lightning_step(opt))
             raw_update = self._marker(f"raw_optimizer_step_{index}", self._raw_step(opt))
             update_call = _HostCall(None, opt, "update")
-            self._patches += [
-                (
-                    lopt.__dict__,
-                    "step",
-                    _stepping(update, lopt, update_call, host_calls, gradients),
-                ),
-                (lopt.__dict__, "zero_grad", _zeroing(zero)),
-                (
-                    opt.__dict__,
-                    "step",
-                    _stepping(raw_update, None, update_call, host_calls, gradients),
-                ),
-                (opt.__dict__, "zero_grad", _zeroing(zero)),
-            ]
+            patches = self._patches
+            patches.add(
+                lopt.__dict__, "step", _stepping(update, lopt, update_call, host_calls, gradients)
+            )
+            patches.add(lopt.__dict__, "zero_grad", _zeroing(zero))
+            patches.add(
+                opt.__dict__,
+                "step",
+                _stepping(raw_update, None, update_call, host_calls, gradients),
+            )
+            patches.add(opt.__dict__, "zero_grad", _zeroing(zero))
         stepped = self._marker("scheduler_step", self._scheduler_stepped)
         self._stale_reads: set[str] | None = None  # what the step had read at its first one
         for config in strategy.lr_scheduler_configs:
             scheduler = config.scheduler
             call = _HostCall(scheduler.step, getattr(scheduler, "optimizer", None), "scheduler")
-            self._patches.append((scheduler.__dict__, "step", _on_host(call, host_calls, stepped)))
+            self._patches.add(scheduler.__dict__, "step", _on_host(call, host_calls, stepped))
         profiler = module.trainer.profiler
         if not isinstance(profiler, PassThroughProfiler):  # ("optimizer_step" around updates)
             for name in ("start", "stop"):
                 call = _HostCall(getattr(profiler, name), None, "profiler")
-                self._patches.append((profiler.__dict__, name, _on_host(call, host_calls)))
+                self._patches.add(profiler.__dict__, name, _on_host(call, host_calls))
 
     def check_capture(self, captured: CapturedGraph) -> None:
         """While Dynamo hands over a graph, what it read that a one-call manual step cannot
@@ -279,24 +274,8 @@ class ManualSteps:
         """The markers stand in for the methods while the step runs (under Dynamo)."""
         self.host_calls.clear()
         self._stale_reads = None
-        self._install()
-        try:
+        with self._patches.installed():
             yield
-        finally:
-            self._uninstall()
-
-    def _install(self) -> None:
-        for namespace, name, function in self._patches:
-            self._saved.append((namespace, name, namespace.get(name, _ABSENT)))
-            namespace[name] = function
-
-    def _uninstall(self) -> None:
-        while self._saved:
-            namespace, name, previous = self._saved.pop()
-            if previous is _ABSENT:
-                namespace.pop(name, None)
-            else:
-                namespace[name] = previous
 
     @contextlib.contextmanager
     def tracing(self) -> Iterator[TracedStep]:
@@ -305,28 +284,24 @@ class ManualSteps:
         update into the graph. The hooks that run there (`on_after_backward`,
         `on_before_optimizer_step`: they read gradients) log into the `TracedStep` yielded,
         whose tensors the device graph returns."""
-        installed = bool(self._saved)
-        self._uninstall()
+        installed = self._patches.applied
+        self._patches.uninstall()
         gradients = self._gradients
         gradients.start()
         precision = self.strategy.precision_plugin
-        state = self.module.__dict__
-        saved_logs = state.get("log", _ABSENT), state.get("log_dict", _ABSENT)
         traced = TracedStep(self.module)
-        state["log"], state["log_dict"] = traced.log, traced.log_dict
+        logs = patched(self.module.__dict__, log=traced.log, log_dict=traced.log_dict)
         try:
-            with precision.tracing_manual_step(after_backward=self.strategy._gradient_reduction()):
+            with (
+                logs,
+                precision.tracing_manual_step(after_backward=self.strategy._gradient_reduction()),
+            ):
                 yield traced
             traced.gradients = gradients.finish()
         finally:
-            for name, saved in zip(("log", "log_dict"), saved_logs, strict=True):
-                if saved is _ABSENT:
-                    state.pop(name, None)
-                else:
-                    state[name] = saved
             gradients.clear()
             if installed:
-                self._install()
+                self._patches.install()
 
     def received(self, traced: TracedStep, outputs: Mapping[str, torch.Tensor]) -> None:
         """A call of the graph traced as `traced` returned `outputs`: its logs are replayed

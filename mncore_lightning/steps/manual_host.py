@@ -39,10 +39,11 @@ from mncore_device._source import user_frame_from_stack_trace
 from mncore_device.capture.autograd_graphs import StandIns
 from mncore_device.capture.dynamo import GraphBreak, own_code
 
+from .patches import REMOVED, Patches, patched
+
 # the reason given to torch.compiler.disable for the manual calls run on the host: the graph
 # breaks they make are this package's, not the user's host code
 HOST_CALL = "mncore: a manual-optimization call run on the host"
-_ABSENT = object()
 
 
 class HostDriven(Exception):  # noqa: N818 - a signal, not an error the user sees
@@ -80,8 +81,7 @@ class HostManualSteps:
         self._gradients_read: str | None = None  # the first p.grad a graph reads, and where
         self._after_backward = strategy._gradient_reduction()  # data parallel: the average
         self._updates: dict[tuple, Any] = {}  # the update device functions
-        self._patches: list[tuple[dict, str, Any]] = []  # (an object's __dict__, name, new)
-        self._saved: list[tuple[dict, str, Any]] = []
+        self._patches = Patches()
         host = self._on_host
         for name in ("manual_backward", "toggle_optimizer", "untoggle_optimizer", "clip_gradients"):
             self._patch(module, name, host(name, _original(module, name)))
@@ -105,7 +105,7 @@ class HostManualSteps:
             self._patch(scheduler, "step", host("scheduler.step", _original(scheduler, "step")))
 
     def _patch(self, target: Any, name: str, function: Any) -> None:
-        self._patches.append((target.__dict__, name, function))
+        self._patches.add(target.__dict__, name, function)
 
     def _on_host(self, name: str, function: Callable[..., Any]) -> Callable[..., Any]:
         """`function` as host code: Dynamo graph-breaks on it; it runs with Lightning's own
@@ -128,18 +128,8 @@ class HostManualSteps:
         """The host calls stand in for the manual methods while the step runs; the host holds
         this step's weights."""
         self.strategy.synchronize()
-        for namespace, name, function in self._patches:
-            self._saved.append((namespace, name, namespace.get(name, _ABSENT)))
-            namespace[name] = function
-        try:
+        with self._patches.installed():
             yield
-        finally:
-            while self._saved:
-                namespace, name, previous = self._saved.pop()
-                if previous is _ABSENT:
-                    namespace.pop(name, None)
-                else:
-                    namespace[name] = previous
         self._push_host_edits()
 
     def note_reads(self, captured: Any) -> None:
@@ -275,15 +265,7 @@ def _original(target: Any, name: str) -> Callable[..., Any]:
     return own if own is not None else getattr(type(target), name).__get__(target)
 
 
-@contextlib.contextmanager
-def _lightning_logs(module: Any) -> Iterator[None]:
+def _lightning_logs(module: Any) -> contextlib.AbstractContextManager:
     """Lightning's `self.log` / `log_dict` while host code runs inside the captured step
     (whose recorder stands in for them on the instance)."""
-    state = module.__dict__
-    saved = [(name, state.pop(name, _ABSENT)) for name in ("log", "log_dict")]
-    try:
-        yield
-    finally:
-        for name, value in saved:
-            if value is not _ABSENT:
-                state[name] = value
+    return patched(module.__dict__, log=REMOVED, log_dict=REMOVED)

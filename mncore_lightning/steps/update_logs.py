@@ -4,7 +4,7 @@ The update of a captured training step (clipping and the optimizer step, after t
 is traced into a device graph once: `backward_and_update` calls the module's
 `configure_gradient_clipping` there, at trace time, where Lightning's `self.log` would store
 a traced tensor once (and fail on it) instead of each step's value. While the update is
-traced, `recording_update_logs` hands the module a recorder (captured_manual.TracedStep, as
+traced, `recording_update_logs` hands the module a recorder (steps/manual.py's TracedStep, as
 a manual step's gradient hooks have): a tensor logged is an output of the device graph, and
 the calls are logged after each device call with that call's values, under the hook's name
 (`configure_gradient_clipping`, as Lightning's own call of the hook sets it).
@@ -16,7 +16,8 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-_ABSENT = object()
+from .patches import patched
+
 _HOOK = "configure_gradient_clipping"
 
 
@@ -24,11 +25,9 @@ _HOOK = "configure_gradient_clipping"
 def recording_update_logs(module: Any) -> Iterator[Any]:
     """While the update is traced: `module.log` / `log_dict` record into the TracedStep
     yielded, and `configure_gradient_clipping` runs under its own hook name."""
-    from .manual import TracedStep  # captured_manual imports captured_hooks
+    from .manual import TracedStep  # steps/manual.py imports steps/hooks.py, which imports this
 
     traced = TracedStep(module)
-    state = module.__dict__
-    saved = {name: state.get(name, _ABSENT) for name in ("log", "log_dict", _HOOK)}
     clip = getattr(module, _HOOK)
 
     def clipping(*args: Any, **kwargs: Any) -> Any:
@@ -39,12 +38,6 @@ def recording_update_logs(module: Any) -> Iterator[Any]:
         finally:
             module._current_fx_name = fx
 
-    state["log"], state["log_dict"], state[_HOOK] = traced.log, traced.log_dict, clipping
-    try:
+    hooks = {"log": traced.log, "log_dict": traced.log_dict, _HOOK: clipping}
+    with patched(module.__dict__, **hooks):
         yield traced
-    finally:
-        for name, value in saved.items():
-            if value is _ABSENT:
-                state.pop(name, None)
-            else:
-                state[name] = value

@@ -17,9 +17,12 @@ a call never runs a stale value:
   subclasses) are graph nodes whose work runs when the replay is traced into the device
   graph (training_calls.py): the step stays ONE device call with the update inside. The
   Python numbers of a torch.optim optimizer's param groups are guarded the same way;
-- anything Dynamo cannot keep in one graph (host code, a `.item()` branch, reading `.grad`
-  after the backward) is a StaticGraphError naming the user's line: a compiled function is
-  one device call (fullgraph).
+- a `.grad` read after `loss.backward()` is a graph node giving the backward's gradient
+  (clipping by hand, an all-reduce of the gradients: run in the same device call, before
+  the update);
+- anything Dynamo cannot keep in one graph (host code, a `.item()` branch) is a
+  StaticGraphError naming the user's line: a compiled function is one device call
+  (fullgraph).
 
 Every tensor the function reads besides its inputs is device state, as on MLSDK (and as a
 step traced by make_fx has it): the replay reads the tensor itself, so a registered one is the

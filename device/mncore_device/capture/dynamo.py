@@ -569,15 +569,11 @@ class DynamoFrontend:
         if self._failed_guard is not None:
             reason = self._failed_guard
             self._failed_guard = None
-            self.retraces.append(reason)
-            if len(self.retraces) > self.max_retraces:
-                raise StaticGraphError(
-                    f"the compiled step was traced again {len(self.retraces)} times, more than "
-                    f"max_retraces={self.max_retraces}; the guard that failed last: {reason}. "
-                    "A value the step reads changes at every call: make it a tensor, or raise "
-                    "max_retraces."
-                )
-            self._on_retrace(reason)
+            self._retraced(
+                reason,
+                f"the guard that failed last: {reason}. A value the step reads changes at "
+                "every call: make it a tensor, or raise max_retraces.",
+            )
         self.graphs.append(captured)
         self.sources.append(sources)
         return _GraphCall(
@@ -590,12 +586,19 @@ class DynamoFrontend:
     def _state_replaced(self, reason: str) -> None:
         """A state input of a graph is another tensor at this call: its device graph is
         compiled again, counted and bounded as Dynamo's re-compiles are."""
+        self._retraced(
+            reason,
+            f"the last time because {reason}. A parameter the step reads is replaced at every "
+            "call: update it in place.",
+        )
+
+    def _retraced(self, reason: str, refusal: str) -> None:
+        """Count one re-compile and report it; past max_retraces, an error ending `refusal`."""
         self.retraces.append(reason)
         if len(self.retraces) > self.max_retraces:
             raise StaticGraphError(
                 f"the compiled step was traced again {len(self.retraces)} times, more than "
-                f"max_retraces={self.max_retraces}; the last time because {reason}. A "
-                "parameter the step reads is replaced at every call: update it in place."
+                f"max_retraces={self.max_retraces}; {refusal}"
             )
         self._on_retrace(reason)
 
