@@ -12,8 +12,21 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.trainer import call
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """`torch.set_default_dtype(dtype)` for the block (a step's update is traced under the
+    default dtype outside its training_step, as cpu runs it)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 class MNCorePrecision(Precision):
@@ -56,17 +69,28 @@ class MNCorePrecision(Precision):
         return self.inner.forward_context() if self.inner else super().forward_context()
 
     def capture_context(self) -> contextlib.AbstractContextManager:
-        """`forward_context()` as the context manager it enters (torch.autocast, the default
-        dtype's), for a step captured by TorchDynamo: Dynamo resumes those after a graph
-        break inside them, but not Lightning's generator-based `forward_context` (measured
-        with torch 2.14.1: a break in the step under autocast made Dynamo run the whole step
-        eagerly, on the host)."""
+        """`forward_context()` as the context manager it enters (torch.autocast), for a step
+        captured by TorchDynamo: Dynamo resumes autocast after a graph break inside it, but
+        not Lightning's generator-based `forward_context` (measured with torch 2.14.1: a
+        break in the step under autocast made Dynamo run the whole step eagerly, on the
+        host). The default dtype of "bf16-true" is `default_dtype_context`'s instead."""
         inner = self.inner
         if isinstance(inner, MixedPrecision):
             return inner.autocast_context_manager()
+        if inner is None or isinstance(inner, HalfPrecision):
+            return contextlib.nullcontext()
+        return self.forward_context()
+
+    def default_dtype_context(self) -> contextlib.AbstractContextManager:
+        """ "bf16-true"'s default dtype, entered around the captured step rather than inside
+        the frame Dynamo captures: `torch.set_default_dtype` is global state, which Dynamo
+        guards, but a graph break inside its context manager splits the step at the `with`
+        (measured with torch 2.14.1: graphs holding only `set_default_dtype`, which a device
+        graph cannot run), so host code in such a step could not run as on cpu."""
+        inner = self.inner
         if isinstance(inner, HalfPrecision):
             return inner.tensor_init_context()
-        return self.forward_context() if inner is not None else contextlib.nullcontext()
+        return contextlib.nullcontext()
 
     @property
     def scaler(self) -> Any:

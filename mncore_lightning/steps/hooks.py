@@ -43,6 +43,7 @@ from mncore_device.capture.autograd_graphs import DifferentiableGraph, StandIns
 from mncore_device.capture.batch_leaves import BatchStandIns
 from mncore_device.capture.dynamo import own_code
 
+from ..precision import default_dtype
 from .logs import RecordedLogs
 from .update import backward_and_update, loss_of
 from .update_logs import recording_update_logs
@@ -153,6 +154,7 @@ class CapturedHook:
         self._update_logs: tuple[Any, Mapping[str, torch.Tensor]] | None = None
         self._updates: dict[frozenset[str], Any] = {}  # the update's device function, by grads
         self._fused_ran = False  # whether this call's device graph ran the backward and update
+        self._dtype_outside = torch.get_default_dtype()  # the step's caller's (_run_step)
         self._device_calls = 0  # device calls this call made
         self.device_calls_per_step: int | None = None  # measured at the first split step
         user_hook = getattr(module, hook_name)
@@ -213,10 +215,15 @@ class CapturedHook:
         self._logs.calls.clear()
         state = self.module.__dict__  # not nn.Module.__setattr__: this runs every step
         state["log"], state["log_dict"] = self._log, self._log_dict
+        self._dtype_outside = torch.get_default_dtype()  # the update's, as on cpu
         try:
             # the batch's strings as stand-ins (one class for any value: no re-compile per
             # batch), their values back where the step left them
-            with BatchStandIns.standing_in(args) as (call, stand_ins), self._lists.swapped():
+            with (
+                self.strategy.precision_plugin.default_dtype_context(),
+                BatchStandIns.standing_in(args) as (call, stand_ins),
+                self._lists.swapped(),
+            ):
                 return stand_ins.resolve(self.frontend(*call))
         finally:
             del state["log"], state["log_dict"]
@@ -436,7 +443,7 @@ class CapturedHook:
         else:
             for param, buffer in accumulate[1].items():
                 param.grad = buffer
-        with recording_update_logs(self.module) as traced:
+        with default_dtype(self._dtype_outside), recording_update_logs(self.module) as traced:
             gradients = backward_and_update(
                 self.module,
                 optimizer,

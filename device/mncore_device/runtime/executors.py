@@ -267,6 +267,8 @@ def _compile_with_inductor(
     _scale_before_adding(gm)
     mutated = mutated_inputs or []
     in_place = _updating_state_in_place(gm, mutated) if mutated else gm
+    if options.get("layout_optimization"):
+        in_place = _channels_last_weights(in_place, example_args)
     with _inductor_cache_dir(cache_dir), _static_shape_env(example_args) as fake_args:
         apply_remembered_source_keys()
         compiled = compile_fx(in_place, fake_args, config_patches=options)
@@ -382,6 +384,57 @@ def _inductor_options(
     if _KEEP_MATMULS_APART and passes:
         options["post_grad_custom_pre_pass"] = _matmuls_apart_from_full_size_adds()
     return options
+
+
+def _channels_last_weights(
+    gm: fx.GraphModule, example_args: Sequence[torch.Tensor]
+) -> fx.GraphModule:
+    """`gm` with each convolution weight that is a graph input and whose memory is laid out
+    the same in both formats (one input channel per group, or a 1x1 kernel) read through a
+    view with channels_last strides: no copy, only the strides oneDNN reads the format from.
+
+    Under Inductor's channels_last layout optimization the activations are channels_last,
+    and Inductor gives a weight that is a graph input the channels_last strides it needs,
+    except where the weight already is channels_last by its memory: there it is left with
+    its contiguous strides, and oneDNN, asked for a convolution whose input is ambiguous too
+    (1x1 spatial, as at the end of MobileNet v3), picks the format from the weight's strides
+    and runs its NCHW depthwise kernel. Measured (torch 2.14.1, 1 thread, batch 32, 32x32):
+    MobileNet v3 small's 5x5 depthwise convolution on its 1x1 feature map took 10.3 ms a
+    step instead of 0.13 ms, its backward 10.0 ms instead of 3.4, and the whole step 52 ms
+    instead of 31. torch.compile's graphs get the same views from Inductor, as AOTAutograd
+    hands it parameters that are not mutated inputs."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    examples = dict(
+        zip((n for n in graph.nodes if n.op == "placeholder"), example_args, strict=False)
+    )
+    first = next(n for n in graph.nodes if n.op != "placeholder")
+    views: dict[fx.Node, fx.Node] = {}
+    for node in list(graph.nodes):
+        if _is_node(node, aten.convolution.default):
+            index = 1
+        elif _is_node(node, aten.convolution_backward.default):
+            index = 2
+        else:
+            continue
+        weight = node.args[index]
+        value = examples.get(weight)
+        if not isinstance(value, torch.Tensor) or value.dim() != 4:
+            continue
+        if not (value.is_contiguous() and value.is_contiguous(memory_format=torch.channels_last)):
+            continue
+        if weight not in views:
+            strides = (
+                torch.empty(value.shape, device="meta")
+                .to(memory_format=torch.channels_last)
+                .stride()
+            )
+            with graph.inserting_before(first):
+                views[weight] = graph.call_function(
+                    aten.as_strided.default, (weight, list(value.shape), list(strides))
+                )
+        node.update_arg(index, views[weight])
+    return _LazyGraphModule(gm, graph) if views else gm
 
 
 def _has_depthwise_convolution(gm: fx.GraphModule, example_args: Sequence[torch.Tensor]) -> bool:
