@@ -362,7 +362,18 @@ def _inductor_options(
     passes=False leaves out the graph passes, which only a compile runs."""
     from torch._inductor import list_mode_options
 
+    on_cuda = bool(example_args) and example_args[0].device.type == "cuda"
     options = dict(list_mode_options(preset.inductor_mode))
+    if not on_cuda:
+        # A step graph ends with the optimizer's update of every parameter. Inductor's
+        # reordering for peak memory moves each parameter's update next to its gradient,
+        # between the convolutions' backward calls, which splits the CPU kernels into a
+        # compiled library each; in graph order they compile as one. Measured (ResNet-50,
+        # batch 32, 1 thread, O1): 44 libraries to compile instead of 66, a cold compile of
+        # 48 s instead of 63, and a step of 369 ms instead of 417. The gradients then live
+        # until the update, as eager's do; on a GPU, where memory is scarcer and kernels are
+        # not built per library, Inductor's reordering stays.
+        options["reorder_for_peak_memory"] = False
     # The ISA a CPU kernel is built for is picked from the CPU's flags, without Inductor's
     # trial builds of a test program per ISA (seconds each, and repeated by every process
     # with a fresh cache: a loaded codegen dir would spend most of its time there).
@@ -371,7 +382,7 @@ def _inductor_options(
     options["fallback_random"] = preset.random == "eager"
     if compile_threads is not None:
         options["compile_threads"] = int(compile_threads)
-    if example_args and example_args[0].device.type == "cuda":
+    if on_cuda:
         # pfvm:cuda keeps the Python wrapper: a C++ one is untested there
         options.pop("cpp_wrapper", None)
     else:
