@@ -262,3 +262,67 @@ def test_ambiguous_weights_are_read_with_channels_last_strides():
     assert [tuple(view.args[2]) for view in views] == [(9, 1, 3, 1), (4, 1, 4, 4)]
     assert not any(n.target is torch.ops.aten.as_strided.default for n in gm.graph.nodes)
     torch.testing.assert_close(viewed(*args), gm(*args), rtol=0, atol=0)
+
+
+def test_convolutions_wider_than_their_input_keep_only_the_taps_that_meet_it():
+    """A convolution whose padding is wider than its input (ConvNeXt's 7x7 depthwise kernels
+    on its 1x1 and 2x2 maps) is compiled on the kernel taps that meet the input, with the
+    padding less by as much, and its weight gradient padded back with zeros: the same numbers
+    without oneDNN's whole-kernel pass (18 ms instead of 1.4 for ConvNeXt's
+    backward on a 1x1 map in channels_last); a depthwise kernel's one tap on the input is
+    a product per channel. A convolution whose taps all meet the input is left as it is."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    from mncore_device.runtime.executors import _convolutions_on_the_taps_they_read
+
+    def step(x1, x2, x8, dw1, dw2, dense, strided, normal):
+        y = F.conv2d(x1, dw1, padding=3, groups=4).sum()  # 7x7 on 1x1: the center tap
+        y = y + F.conv2d(x2, dw2, padding=3, groups=4).pow(2).sum()  # 7x7 on 2x2: 3x3
+        y = y + F.conv2d(x1, dense, padding=1).sum()  # dense 3x3 on 1x1: the center
+        y = y + F.conv2d(x8, strided, stride=2, padding=2).pow(2).sum()  # 5x5 on 8x8: all
+        y = y + F.conv2d(x8, normal, padding=1).pow(2).sum()
+        inputs = (x1, x2, x8, dw1, dw2, dense, strided, normal)
+        return (y, *torch.autograd.grad(y, inputs))
+
+    args = [
+        torch.randn(2, 4, 1, 1, requires_grad=True),
+        torch.randn(2, 4, 2, 2, requires_grad=True),
+        torch.randn(2, 4, 8, 8, requires_grad=True),
+        torch.randn(4, 1, 7, 7, requires_grad=True),
+        torch.randn(4, 1, 7, 7, requires_grad=True),
+        torch.randn(3, 4, 3, 3, requires_grad=True),
+        torch.randn(3, 4, 5, 5, requires_grad=True),
+        torch.randn(3, 4, 3, 3, requires_grad=True),
+    ]
+    gm = make_fx(step)(*args)
+    trimmed = _convolutions_on_the_taps_they_read(gm, args)
+
+    def convolutions(graph_module):
+        ShapeProp(graph_module).propagate(*args)
+        ops = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
+        found = []
+        for node in graph_module.graph.nodes:
+            if node.target in ops:
+                weight = node.args[1 if node.target is ops[0] else 2]
+                padding = node.args[4 if node.target is ops[0] else 5]
+                found.append((tuple(weight.meta["tensor_meta"].shape[2:]), tuple(padding)))
+        return found
+
+    before, after = convolutions(gm), convolutions(trimmed)
+    assert sorted(before) == sorted(
+        [((7, 7), (3, 3))] * 4 + [((3, 3), (1, 1))] * 4 + [((5, 5), (2, 2))] * 2
+    )
+    assert sorted(after) == sorted(
+        [((1, 1), (0, 0))] * 2 + [((3, 3), (1, 1))] * 4 + [((5, 5), (2, 2))] * 2
+    ), "dense 3x3 on 1x1 to its center tap, 7x7 on 2x2 to its middle 3x3"
+    # the depthwise 7x7 on 1x1: its center tap times the input, channel by channel
+    products = trimmed.graph.find_nodes(op="call_function", target=torch.ops.aten.mul.Tensor)
+    assert len(products) > len(
+        gm.graph.find_nodes(op="call_function", target=torch.ops.aten.mul.Tensor)
+    )
+    pads = [n for n in trimmed.graph.nodes if n.target is torch.ops.aten.constant_pad_nd.default]
+    assert len(pads) == 3  # each trimmed backward's weight gradient, back to the full kernel
+    assert gm.graph.find_nodes(op="call_function", target=torch.ops.aten.slice.Tensor) == []
+    # the same numbers; a product's weight gradient sums the batch in another order
+    torch.testing.assert_close(trimmed(*args), gm(*args), rtol=1e-6, atol=1e-6)
