@@ -273,10 +273,6 @@ def _frontend_parts(hook, batch, graph_call, step, calls: int) -> dict:
     module = hook.module
     logged = hook._logs.calls  # emptied before each call, as CapturedHook does (a guard)
 
-    def patches():
-        with frontend._recording_breaks():
-            pass
-
     def log_methods():
         state = module.__dict__
         state["log"], state["log_dict"] = hook._logs.log, hook._logs.log_dict
@@ -305,7 +301,6 @@ def _frontend_parts(hook, batch, graph_call, step, calls: int) -> dict:
         parts |= _per_call_us(
             {
                 "frontend(*args)": lambda: (logged.clear(), frontend(batch, 5)),
-                "_recording_breaks": patches,
                 "Dynamo entry + guards + _GraphCall": lambda: (
                     logged.clear(),
                     frontend._compiled(batch, 5),
@@ -608,7 +603,6 @@ def _print_table(report: dict) -> None:
         key = "frontend overhead (frontend - device function)"
         row(f"MLP: Dynamo {key}, us", None, d[key], "<= 20 us", 1)
         for key, name in (
-            ("_recording_breaks", "of which noting graph breaks"),
             ("Dynamo entry + guards (alone)", "of which Dynamo's entry and guard checks"),
             ("_GraphCall(*graph_args)", "of which _GraphCall (with the device function)"),
             ("device function (run: CompiledFunction + to_host)", "device function alone"),

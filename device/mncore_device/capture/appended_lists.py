@@ -28,10 +28,8 @@ failure, within `swapped`), so that trace sees what the next calls see.
 
 from __future__ import annotations
 
-import contextlib
 import re
 import types
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -110,21 +108,23 @@ class AppendedLists:
     def names(self) -> list[str]:
         return [name for _, name in self._found]
 
-    @contextlib.contextmanager
-    def swapped(self) -> Iterator[None]:
+    def swapped(self) -> AppendedLists:
         """During the call each adopted attribute holds a CallAppends; afterwards the real
-        list gets what the call appended (unless the step assigned the attribute anew)."""
+        list gets what the call appended (unless the step assigned the attribute anew).
+        (A context manager of its own rather than a generator's: entered at every step.)"""
+        return self
+
+    def __enter__(self) -> None:
         self._swaps, self._this_call = [], []
         for owner, name in self._found:
             self._swap(owner, name)
-        try:
-            yield
-        finally:
-            swaps, self._swaps = self._swaps, None
-            for owner, name, real, fresh in swaps:
-                if vars(owner).get(name) is fresh:
-                    vars(owner)[name] = real
-                fresh.flush()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        swaps, self._swaps = self._swaps, None
+        for owner, name, real, fresh in swaps:
+            if vars(owner).get(name) is fresh:
+                vars(owner)[name] = real
+            fresh.flush()
 
     def _swap(self, owner: Any, name: str) -> None:
         real = vars(owner).get(name)

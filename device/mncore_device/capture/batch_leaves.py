@@ -176,23 +176,26 @@ class BatchStandIns:
         self._parents: dict[int, int] = {}  # id(stand-in) -> mirrored containers holding it
 
     @classmethod
-    @contextlib.contextmanager
-    def standing_in(cls, args: tuple) -> Iterator[tuple[list, BatchStandIns]]:
+    def standing_in(cls, args: tuple) -> contextlib.AbstractContextManager[tuple[list, Any]]:
         """The arguments to call the step with (a list: `step(*call)`), the batch's (the
         first argument's) leaves stood in for; afterwards the stand-ins left anywhere are
-        replaced by their values."""
+        replaced by their values. (A batch of tensors only, the common case, enters nothing.)"""
         stand_ins = cls()
         call = [stand_ins._mirror(args[0]), *args[1:]] if args else []
         if not stand_ins._originals:
-            yield call, stand_ins
-            return
-        previous, cls._current = cls._current, stand_ins
+            return contextlib.nullcontext((call, stand_ins))
+        return stand_ins._current_for(call)
+
+    @contextlib.contextmanager
+    def _current_for(self, call: list) -> Iterator[tuple[list, BatchStandIns]]:
+        cls = type(self)
+        previous, cls._current = cls._current, self
         try:
-            yield call, stand_ins
+            yield call, self
         finally:
             cls._current = previous
             call.clear()
-            stand_ins._resolve_escaped()
+            self._resolve_escaped()
 
     def _mirror(self, value: Any) -> Any:
         kind = type(value)

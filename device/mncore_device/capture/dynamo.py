@@ -24,13 +24,12 @@ an error.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import itertools
 import types
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from enum import StrEnum
 from traceback import format_list
 from typing import Any
@@ -60,6 +59,9 @@ _DYNAMO_CONFIG = {
     # past a re-compile limit Dynamo would run a frame eagerly, silently: for a captured step
     # that is the host instead of the device (and no update). It raises instead.
     "fail_on_recompile_limit_hit": True,
+    # no profiler bookkeeping around the code Dynamo runs before each graph (two calls of
+    # torch._disable_dynamo'd functions, ~5 us a step, for torch.profiler's traces)
+    "record_runtime_overhead": False,
 }
 
 
@@ -322,7 +324,7 @@ class CapturedGraph:
         positions = self._positions
         inputs = {name: args[i] for i, name in positions[InputKind.TENSOR]}
         for i, name in positions[InputKind.NUMBER]:
-            inputs[name] = ScalarsAsTensors._as_number(args[i])
+            inputs[name] = _number_tensor(args[i])
         return inputs
 
     def constants_differ(self, args: Sequence[Any]) -> str | None:
@@ -523,7 +525,8 @@ class DynamoFrontend:
         )(frame)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with self._recording_breaks():
+        _RECORDING.append(self.breaks)  # where the graph breaks Dynamo logs now go
+        try:
             try:
                 return self._compiled(*args, **kwargs)
             except torch._dynamo.exc.BackendCompilerFailed as error:
@@ -546,6 +549,8 @@ class DynamoFrontend:
                     + (f", at {where}" if where else "")
                     + f": {error}"
                 ) from None
+        finally:
+            _RECORDING.pop()
 
     @property
     def device_calls(self) -> int:
@@ -602,30 +607,37 @@ class DynamoFrontend:
             )
         self._on_retrace(reason)
 
-    @contextlib.contextmanager
-    def _recording_breaks(self) -> Iterator[None]:
-        """Note each graph break Dynamo logs while it traces (with the user's line)."""
-        from torch._dynamo.symbolic_convert import InstructionTranslatorBase
 
-        log = InstructionTranslatorBase.log_graph_break
-        breaks = self.breaks
+# the break lists of the frontends being called, innermost last (see _graph_breaks_noted)
+_RECORDING: list[list[GraphBreak]] = []
 
-        def noting(translator: Any, code_options: Any, reason: str, exc: Any) -> None:
-            if not getattr(exc, "logged", False):
-                stack = list(getattr(exc, "real_stack", None) or [])
-                where = user_frame(stack) or (
-                    f"{stack[-1].filename}:{stack[-1].lineno}" if stack else "?"
-                )
-                found = GraphBreak(_break_reason(reason, exc), where, "".join(format_list(stack)))
-                if found not in breaks:
-                    breaks.append(found)
-            return log(translator, code_options, reason, exc)
 
-        InstructionTranslatorBase.log_graph_break = noting
-        try:
-            yield
-        finally:
-            InstructionTranslatorBase.log_graph_break = log
+def _graph_breaks_noted() -> None:
+    """Each graph break Dynamo logs while it traces a frontend's call is noted in that
+    frontend's `breaks` (with the user's line). Installed once: patching Dynamo's class
+    around every call cost ~2 us a step."""
+    from torch._dynamo.symbolic_convert import InstructionTranslatorBase
+
+    log = InstructionTranslatorBase.log_graph_break
+    if getattr(log, "notes_breaks", False):
+        return
+
+    def noting(translator: Any, code_options: Any, reason: str, exc: Any) -> None:
+        if _RECORDING and not getattr(exc, "logged", False):
+            stack = list(getattr(exc, "real_stack", None) or [])
+            where = user_frame(stack) or (
+                f"{stack[-1].filename}:{stack[-1].lineno}" if stack else "?"
+            )
+            found = GraphBreak(_break_reason(reason, exc), where, "".join(format_list(stack)))
+            if found not in _RECORDING[-1]:
+                _RECORDING[-1].append(found)
+        return log(translator, code_options, reason, exc)
+
+    noting.notes_breaks = True
+    InstructionTranslatorBase.log_graph_break = noting
+
+
+_graph_breaks_noted()
 
 
 def _weakly(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -756,6 +768,25 @@ class _GraphCall:
         if changed:  # another shape is not reported: the caller knows which ones it expects
             self._on_retrace(changed)
         return self._add(base.with_examples(args))
+
+
+_NUMBER_TENSORS: dict[tuple[type, Any], torch.Tensor] = {}
+
+
+def _number_tensor(value: Any) -> torch.Tensor:
+    """A number input as the 0-d tensor a device function takes; an int's made once per
+    value (a batch size, a fixed count: `torch.tensor` cost ~3 us a call, every step). The
+    graph never writes its number inputs, so one tensor serves every call with that value.
+    (Floats are not kept: 0.0 and -0.0 are one key.)"""
+    if type(value) not in (int, bool):
+        return ScalarsAsTensors._as_number(value)
+    key = (type(value), value)
+    tensor = _NUMBER_TENSORS.get(key)
+    if tensor is None:
+        if len(_NUMBER_TENSORS) >= 1024:  # a counter: a value per step
+            _NUMBER_TENSORS.clear()
+        tensor = _NUMBER_TENSORS[key] = ScalarsAsTensors._as_number(value)
+    return tensor
 
 
 def _key(captured: CapturedGraph, args: Sequence[Any]) -> tuple:
