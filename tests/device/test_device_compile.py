@@ -302,7 +302,8 @@ def test_inductor_presets_give_small_graphs_the_cpp_wrapper(
 ):
     """On the CPU, a graph of at most `cpp_wrapper_max_ops` operations is built with Inductor's
     C++ wrapper (one compiler run); a larger one keeps the Python wrapper, whose kernels
-    compile in parallel."""
+    compile in parallel, and Inductor's reordering for peak memory is off there (it would
+    split the kernels between the backward's calls into more libraries to build)."""
     import json
 
     import torch._inductor.compile_fx as inductor
@@ -321,3 +322,4 @@ def test_inductor_presets_give_small_graphs_the_cpp_wrapper(
 
     context.compile(step, {"x": torch.ones(3)}, options={"option_json": tmp_path / "preset.json"})
     assert patches[-1].get("cpp_wrapper", False) is cpp_wrapper
+    assert patches[-1].get("reorder_for_peak_memory", True) is cpp_wrapper
