@@ -270,14 +270,7 @@ class CapturedHook:
         def device_step(inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             self.gradient_params.clear()
             if manual is None:
-                # an output with autograd history (the loss) detached after the update, as
-                # the step's last op: returned as it is, the loss is a graph output Inductor
-                # schedules the update's kernels around (measured on the tutorial MLP: four
-                # fused kernels instead of three, +20 us a step)
-                outputs = {
-                    name: value.detach() if value.requires_grad else value
-                    for name, value in captured.run(inputs, calls).items()
-                }
+                outputs = captured.run(inputs, calls)
             else:
                 with manual.tracing() as traced:
                     outputs = captured.run(inputs, calls)
