@@ -208,3 +208,28 @@ def test_a_number_an_op_needs_as_such_is_fixed_and_checked_at_every_call():
         got = frontend(x)
         torch.manual_seed(1)
         assert torch.equal(got, module(x))
+
+
+def test_an_int_input_follows_its_value_across_the_frontends_number_tensors():
+    """An int the step reads that changes is a graph input, handed to the device function as
+    a 0-d tensor made once per value: past the bound of those tensors (1,024 values) and
+    back to a value seen before, every call computes what eager does."""
+
+    class Counted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.step = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.step + self.step // 3
+
+    module = Counted()
+    reasons = []
+    frontend = _frontend(module.forward, _context(module), on_retrace=reasons.append)
+    x = torch.randn(3)
+    for value in [*range(1100), 7, 1099, 0]:
+        module.step = value
+        assert torch.equal(frontend(x), module(x)), value
+    assert len(reasons) <= 1, reasons  # at most once, when the int becomes an input
+    kinds = [spec.kind for spec in frontend.graphs[-1].inputs]
+    assert InputKind.NUMBER in kinds
