@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> dict:
         def on_train_epoch_end(self, trainer, pl_module):
             if trainer.current_epoch != 0:
                 return
-            compiled = trainer.strategy._train_hook.compiled
+            (compiled,) = trainer.strategy._captured[("train", 1, True)].compiled
             executor, cached, scratch = compiled._executor, [], []
 
             def timed(args):
