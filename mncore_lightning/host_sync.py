@@ -107,8 +107,7 @@ class HostVersions:
         self._seen = [(t._version, t.data_ptr()) for t in self.tensors]
 
     def changed(self) -> list[torch.Tensor]:
-        return [
-            t
-            for t, seen in zip(self.tensors, self._seen, strict=True)
-            if (t._version, t.data_ptr()) != seen
-        ]
+        now = [(t._version, t.data_ptr()) for t in self.tensors]
+        if now == self._seen:  # every step: one comparison of the lists
+            return []
+        return [t for t, a, b in zip(self.tensors, now, self._seen, strict=True) if a != b]

@@ -22,7 +22,7 @@ import logging
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
@@ -56,7 +56,7 @@ from .optimizers import MNCoreOptimizer, device_optimizer
 from .optimizers._convert import track_step_calls
 from .precision import MNCorePrecision
 from .steps.groups import run_captured_group
-from .steps.hooks import CapturedHook
+from .steps.hooks import CapturedHook, tensor_layout
 from .steps.manual import captured_manual_step
 from .steps.update import ANOMALY_PRESET
 from .structure import describe_change, structure_of
@@ -303,10 +303,12 @@ class CompiledSteps:
         manual = not module.automatic_optimization
         window = 1 if manual else module.trainer.accumulate_grad_batches
         update = window == 1 or self._updating
-        with self._stopped_by_anomaly(rest):
+        try:  # (not a generator's context manager: this runs every step)
             if steps is not None:  # K steps, one device call (steps/groups.py)
                 return run_captured_group(self, batch, rest)
             return self._captured_training_step(args, manual, window, update)
+        except NonFiniteError as error:
+            self._stopped_by_anomaly(error, rest)
 
     def _captured_training_step(self, args: tuple, manual: bool, window: int, update: bool) -> Any:
         """One training step (forward, backward and update) as one device call; a plan
@@ -353,7 +355,7 @@ class CompiledSteps:
         """A training batch of other shapes than the last one inside an epoch (a short last
         batch the loader kept) is refused, as for a traced step, unless last_batch="compile";
         at an epoch boundary (a reloaded DataLoader) the step is compiled for the new ones."""
-        shapes = [(t.shape, t.dtype) for t in tree_leaves(args[0]) if isinstance(t, torch.Tensor)]
+        shapes = tensor_layout(args[0])
         if shapes == hook.batch_shapes:  # the common case, every step: cheap
             return
         hook.batch_shapes = shapes
@@ -387,23 +389,19 @@ class CompiledSteps:
             if key in last:
                 check_input(key, last[key], value)
 
-    @contextlib.contextmanager
-    def _stopped_by_anomaly(self, rest: tuple) -> Iterator[None]:
+    def _stopped_by_anomaly(self, error: NonFiniteError, rest: tuple) -> NoReturn:
         """Trainer(detect_anomaly=True): a NaN or inf a training graph computed (the debug
         preset's executor checks every op, see _compile_options) stops the fit, naming the
         step, as PyTorch's anomaly error stops it on cpu; the step's results were not kept."""
-        try:
-            yield
-        except NonFiniteError as error:
-            if not torch.is_anomaly_enabled():
-                raise
-            trainer = self.lightning_module.trainer
-            batch_idx = rest[0] if rest and isinstance(rest[0], int) else None
-            raise NonFiniteError(
-                f"Trainer(detect_anomaly=True) stopped the compiled training step "
-                f"(batch_idx={batch_idx}, global_step={trainer.global_step}): {error}. Nothing "
-                "of this step was applied: the weights are those before it."
-            ) from error
+        if not torch.is_anomaly_enabled():
+            raise error
+        trainer = self.lightning_module.trainer
+        batch_idx = rest[0] if rest and isinstance(rest[0], int) else None
+        raise NonFiniteError(
+            f"Trainer(detect_anomaly=True) stopped the compiled training step "
+            f"(batch_idx={batch_idx}, global_step={trainer.global_step}): {error}. Nothing "
+            "of this step was applied: the weights are those before it."
+        ) from error
 
     def _compile_options(self, stage: str) -> dict[str, Any]:
         """What `Context.compile` gets for a captured hook's graphs; each graph's codegen

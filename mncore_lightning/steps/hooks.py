@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.utils._pytree import tree_leaves
 
 from mncore_device import Context, StaticGraphError
 from mncore_device.capture import CapturedGraph, DynamoFrontend, traced_call
@@ -471,6 +472,23 @@ def _guard_of(reason: str) -> str:
     guard = first.split("#", 1)[0].split("==", 1)[0].split("<", 1)[0].split(">", 1)[0].strip()
     listed = length_guard(guard)  # `not x` (an empty list) is the same guard as `len(x)`
     return f"len({listed})" if listed is not None else guard
+
+
+def tensor_layout(batch: Any) -> list[tuple[torch.Size, torch.dtype]]:
+    """The (shape, dtype) of each tensor leaf of `batch`, in pytree order: what tells a
+    batch of other shapes apart, at every step. Lists, tuples and dicts are walked here
+    (pytree's generic flatten costs a few µs a call); other containers by pytree."""
+    kind = type(batch)
+    if kind is torch.Tensor or isinstance(batch, torch.Tensor):
+        return [(batch.shape, batch.dtype)]
+    if kind is list or kind is tuple:
+        return [layout for item in batch for layout in tensor_layout(item)]
+    if kind is dict:
+        return [layout for item in batch.values() for layout in tensor_layout(item)]
+    leaves = tree_leaves(batch)
+    if len(leaves) == 1 and leaves[0] is batch:  # a leaf that is no tensor
+        return []
+    return [(t.shape, t.dtype) for t in leaves if isinstance(t, torch.Tensor)]
 
 
 def _leading_size(batch: Any) -> int | None:

@@ -147,3 +147,31 @@ def test_eval_batches_with_changing_strings_compile_once_and_match_cpu():
     for key in cpu_metrics:
         torch.testing.assert_close(mn_metrics[key], cpu_metrics[key], atol=ATOL, rtol=0)
     assert trainer.strategy.retraces == 0
+
+
+def test_the_batch_layout_checked_every_step_is_pytrees_tensor_leaves():
+    """The per-step check of a training batch's shapes walks lists, tuples and dicts itself;
+    it must see the (shape, dtype) of the tensor leaves pytree sees, in pytree's order."""
+    from collections import OrderedDict, namedtuple
+
+    from torch.utils._pytree import tree_leaves
+
+    from mncore_lightning.steps.hooks import tensor_layout
+
+    pair = namedtuple("pair", "x y")
+    x, y = torch.zeros(2, 3), torch.zeros(2, dtype=torch.long)
+    batches = [
+        (x, y),
+        [x, {"b": y, "a": "id"}],
+        {"z": x, "a": [y, 1]},
+        pair(x, y),
+        OrderedDict(y=y, x=x),
+        ((x,), (y, "q"), []),
+        x,
+        "sample",
+        3,
+    ]
+    for batch in batches:
+        expected = [(t.shape, t.dtype) for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
+        assert tensor_layout(batch) == expected, batch
+    assert tensor_layout({"z": x, "a": y}) != tensor_layout({"z": x, "a": y.float()})
