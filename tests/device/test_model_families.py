@@ -324,5 +324,10 @@ def test_convolutions_wider_than_their_input_keep_only_the_taps_that_meet_it():
     pads = [n for n in trimmed.graph.nodes if n.target is torch.ops.aten.constant_pad_nd.default]
     assert len(pads) == 3  # each trimmed backward's weight gradient, back to the full kernel
     assert gm.graph.find_nodes(op="call_function", target=torch.ops.aten.slice.Tensor) == []
+    # each trimmed kernel (dw1, dw2, dense) copied contiguous once, for its forward and its
+    # backward: a strided view would be copied by each of them, with aten's slower copy
+    copies = trimmed.graph.find_nodes(op="call_function", target=torch.ops.aten.clone.default)
+    assert len(copies) == 3 and all(len(copy.users) == 2 for copy in copies)
+    assert all(c.kwargs["memory_format"] == torch.contiguous_format for c in copies)
     # the same numbers; a product's weight gradient sums the batch in another order
     torch.testing.assert_close(trimmed(*args), gm(*args), rtol=1e-6, atol=1e-6)

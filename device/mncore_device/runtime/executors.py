@@ -484,6 +484,7 @@ def _convolutions_on_the_taps_they_read(
         return tensor.shape if isinstance(tensor, torch.Tensor) else None
 
     trimmed = False
+    kernels: dict[tuple[fx.Node, tuple], fx.Node] = {}  # (weight, taps) -> trimmed kernel
     for node in list(graph.nodes):
         if _is_node(node, aten.convolution.default):
             x, w, at = node.args[0], node.args[1], 3
@@ -511,10 +512,19 @@ def _convolutions_on_the_taps_they_read(
             taps.append((first, last))
         if not taps or all(t == (0, k - 1) for t, k in zip(taps, w_shape[2:], strict=True)):
             continue
-        with graph.inserting_before(node):
-            kernel = w
-            for dim, (first, last) in enumerate(taps, start=2):
-                kernel = graph.call_function(aten.slice.Tensor, (kernel, dim, first, last + 1))
+        kernel = kernels.get((w, tuple(taps)))
+        if kernel is None:  # the forward's node comes first, and its backward's reuses it
+            with graph.inserting_before(node):
+                kernel = w
+                for dim, (first, last) in enumerate(taps, start=2):
+                    kernel = graph.call_function(aten.slice.Tensor, (kernel, dim, first, last + 1))
+                # the taps as a contiguous weight, copied once a step in a fused kernel: a
+                # strided view makes oneDNN's convolution (forward and backward) copy it
+                # with aten's copy, 6 ms for a [512, 512, 2, 2] kernel
+                kernel = graph.call_function(
+                    aten.clone.default, (kernel,), {"memory_format": torch.contiguous_format}
+                )
+            kernels[(w, tuple(taps))] = kernel
         trimmed = True
         pad = []  # the weight gradient's, for constant_pad_nd: the last dimension first
         for k, (first, last) in reversed(list(zip(w_shape[2:], taps, strict=True))):
