@@ -483,7 +483,6 @@ def _convolutions_on_the_taps_they_read(
         tensor = inputs.get(value, value.meta.get("val")) if isinstance(value, fx.Node) else None
         return tensor.shape if isinstance(tensor, torch.Tensor) else None
 
-    trimmed = False
     kernels: dict[tuple[fx.Node, tuple], fx.Node] = {}  # (weight, taps) -> trimmed kernel
     for node in list(graph.nodes):
         if _is_node(node, aten.convolution.default):
@@ -512,7 +511,8 @@ def _convolutions_on_the_taps_they_read(
             taps.append((first, last))
         if not taps or all(t == (0, k - 1) for t, k in zip(taps, w_shape[2:], strict=True)):
             continue
-        kernel = kernels.get((w, tuple(taps)))
+        key = (w, tuple(taps))
+        kernel = kernels.get(key)
         if kernel is None:  # the forward's node comes first, and its backward's reuses it
             with graph.inserting_before(node):
                 kernel = w
@@ -524,8 +524,7 @@ def _convolutions_on_the_taps_they_read(
                 kernel = graph.call_function(
                     aten.clone.default, (kernel,), {"memory_format": torch.contiguous_format}
                 )
-            kernels[(w, tuple(taps))] = kernel
-        trimmed = True
+            kernels[key] = kernel
         pad = []  # the weight gradient's, for constant_pad_nd: the last dimension first
         for k, (first, last) in reversed(list(zip(w_shape[2:], taps, strict=True))):
             pad += [first, k - 1 - last]
@@ -554,7 +553,7 @@ def _convolutions_on_the_taps_they_read(
                 user.replace_all_uses_with(full, delete_user_cb=lambda u, full=full: u is not full)
     for node in lacking:  # Inductor traces the graph again; the rest had metadata before
         node.meta.pop("val", None)
-    return _LazyGraphModule(gm, graph) if trimmed else gm
+    return _LazyGraphModule(gm, graph) if kernels else gm
 
 
 def _depthwise_as_product(
