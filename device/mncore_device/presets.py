@@ -30,10 +30,10 @@ class Preset:
     # library is a single, serial compiler run). None: as inductor_options say.
     cpp_wrapper_max_ops: int | None = None
     # Turn Inductor's layout optimization (convolutions in channels_last) on for a graph
-    # with depthwise convolutions, whatever inductor_options say: oneDNN runs those much
-    # faster in channels_last, while dense convolutions on small images run slower there
-    # and pay a copy of their weights each step (device state is stored contiguous).
-    channels_last_with_depthwise: bool = False
+    # whose convolutions, timed at compile time on this machine (forward, backward and the
+    # copies of the weights and their gradients that channels_last costs each step, device
+    # state being stored contiguous), ran faster in channels_last: see convolution_layout.
+    channels_last_where_faster: bool = False
     # Which stream random ops (dropout, torch.randn, torch.distributions' rsample) draw from
     # under Inductor. "eager": torch's own generator, in the step's order, the numbers eager
     # draws with the same seed (Inductor's fallback_random). "inductor": Inductor's in-kernel

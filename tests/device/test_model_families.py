@@ -11,12 +11,14 @@ tiny; the O1/O2 part (marked inductor_matrix) is one Inductor compile per family
 
 from __future__ import annotations
 
+import collections
 import warnings
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch import fx
 
 from mncore_device import InductorFallbackWarning
 from tests.device.device_testing import (
@@ -213,25 +215,97 @@ def test_an_lstm_step_called_without_grad_mode_trains_as_eager(context, mode):
     assert_state_close(model, reference, atol=ATOL)
 
 
-@pytest.mark.parametrize(("groups", "channels_last"), [(1, False), (4, True)])
+@pytest.fixture
+def layout_decisions(tmp_path, monkeypatch):
+    """Layout decisions made afresh, kept in a folder of this test's (not Inductor's cache)."""
+    from mncore_device.runtime import convolution_layout
+
+    monkeypatch.setattr(convolution_layout, "_DECIDED", {})
+    monkeypatch.setattr(convolution_layout, "_inductor_cache_dir", lambda: tmp_path)
+    return convolution_layout
+
+
+@pytest.mark.parametrize(("timed", "channels_last"), [((1.0, 2.0), False), ((2.0, 1.0), True)])
 @pytest.mark.parametrize("preset", ["O1", "O2"])
-def test_convolutions_go_channels_last_where_a_graph_has_depthwise_ones(
-    preset, groups, channels_last
+def test_convolutions_go_channels_last_where_they_ran_faster_there(
+    layout_decisions, monkeypatch, preset, timed, channels_last
 ):
-    """oneDNN runs depthwise convolutions much faster in channels_last (MobileNet v2 at batch
-    32: about 1.3x a step), dense ones on small images slower (ResNet-18: 0.6x): Inductor's
-    layout optimization is on for graphs with a depthwise convolution only."""
+    """O1 and O2 turn Inductor's layout optimization on where the graph's convolutions,
+    timed at compile time (stored layout, channels_last), ran faster in channels_last. The
+    shapes timed are the graph's, found without its metadata (as the executor gets it)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from mncore_device.presets import load_preset
+    from mncore_device.runtime.convolution_layout import Convolution
     from mncore_device.runtime.executors import _inductor_options
 
-    args = [torch.randn(2, 4, 6, 6), torch.randn(4, 4 // groups, 3, 3)]
-    gm = make_fx(lambda x, w: F.conv2d(x, w, groups=groups))(*args)
+    args = [torch.randn(2, 4, 6, 6), torch.randn(4, 2, 3, 3)]
+    gm = make_fx(lambda x, w: F.conv2d(torch.relu(x), w, stride=2, groups=2))(*args)
     for node in gm.graph.nodes:  # as the executor gets the graph: from JSON, no metadata
         node.meta.clear()
+    seen = []
+    monkeypatch.setattr(layout_decisions, "_time_both", lambda c, device: seen.append(c) or timed)
     options = _inductor_options(gm, load_preset(preset), args, None)
     assert options["layout_optimization"] is channels_last
+    (convolutions,) = seen
+    expected = Convolution((2, 4, 6, 6), (4, 2, 3, 3), (2, 2), (0, 0), (1, 1), 2, True, "float32")
+    assert dict(convolutions) == {expected: 1}
+
+
+def test_a_graph_without_convolutions_times_nothing(layout_decisions, monkeypatch):
+    from mncore_device.presets import load_preset
+    from mncore_device.runtime.executors import _inductor_options
+
+    monkeypatch.setattr(layout_decisions, "_time_both", lambda *a: pytest.fail("timed"))
+    args = [torch.randn(3, 4)]
+    options = _inductor_options(fx.symbolic_trace(lambda x: x * 2), load_preset("O1"), args, None)
+    assert options["layout_optimization"] is False
+
+
+def test_a_layout_decision_is_timed_once_per_set_of_convolutions(layout_decisions, monkeypatch):
+    """Kept in the process and in Inductor's cache directory: a warm compile in another
+    process reads it instead of timing again; another thread count times again."""
+    from mncore_device.runtime.convolution_layout import Convolution
+
+    timings = []
+    monkeypatch.setattr(
+        layout_decisions, "_time_both", lambda c, device: timings.append(c) or (2.0, 1.0)
+    )
+    convolutions = collections.Counter(
+        {Convolution((2, 4, 6, 6), (4, 1, 3, 3), (1, 1), (1, 1), (1, 1), 4, True, "float32"): 3}
+    )
+    cpu = torch.device("cpu")
+    assert layout_decisions.channels_last_is_faster(convolutions, cpu)
+    assert layout_decisions.channels_last_is_faster(convolutions, cpu)
+    monkeypatch.setattr(layout_decisions, "_DECIDED", {})  # another process
+    assert layout_decisions.channels_last_is_faster(convolutions, cpu)
+    assert len(timings) == 1
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert layout_decisions.channels_last_is_faster(convolutions, cpu)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(timings) == 2
+
+
+@pytest.mark.parametrize(
+    ("input_shape", "weight_shape", "groups", "channels_last"),
+    [
+        ((8, 64, 32, 32), (64, 1, 3, 3), 64, True),  # depthwise: measured about 2x faster
+        ((8, 256, 4, 4), (256, 256, 3, 3), 1, False),  # ResNet's last stage: about 0.65x
+    ],
+)
+def test_the_timing_finds_the_faster_layout(
+    layout_decisions, input_shape, weight_shape, groups, channels_last
+):
+    """The real timing, on two convolutions far from the line (oneDNN, torch 2.14.1)."""
+    from mncore_device.runtime.convolution_layout import Convolution
+
+    conv = Convolution(input_shape, weight_shape, (1, 1), (1, 1), (1, 1), groups, True, "float32")
+    timed = layout_decisions._time_both(collections.Counter({conv: 1}), torch.device("cpu"))
+    stored, in_channels_last = timed
+    assert (in_channels_last < stored) is channels_last
 
 
 def test_ambiguous_weights_are_read_with_channels_last_strides():

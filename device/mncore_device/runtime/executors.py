@@ -22,6 +22,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from .._source import user_frame_from_stack_trace
 from ..errors import InductorFallbackWarning, NonFiniteError
 from ..presets import Preset
+from .convolution_layout import channels_last_is_faster, convolutions_of
 from .inductor_keys import apply_remembered_source_keys
 from .opaque_ops import make_opaque
 from .tracing import _is_view_of
@@ -361,7 +362,8 @@ def _inductor_options(
     passes: bool = True,
 ) -> dict:
     """Inductor's config for compiling `gm` under `preset` (before `_scale_before_adding`);
-    passes=False leaves out the graph passes, which only a compile runs."""
+    passes=False leaves out the graph passes and the convolution layout's timing, which
+    only a compile needs."""
     from torch._inductor import list_mode_options
 
     on_cuda = bool(example_args) and example_args[0].device.type == "cuda"
@@ -395,7 +397,7 @@ def _inductor_options(
             # 1.72x torch.compile instead of 1.70x, vit_small 1.26x instead of 1.22x,
             # ResNet-18 1.36x instead of 1.32x).
             options["reorder_for_peak_memory"] = False
-    if preset.channels_last_with_depthwise and _has_depthwise_convolution(gm, example_args):
+    if preset.channels_last_where_faster and passes and _channels_last_is_faster(gm, example_args):
         options["layout_optimization"] = True
     if _KEEP_MATMULS_APART and passes:
         options["post_grad_custom_pre_pass"] = _matmuls_apart_from_full_size_adds()
@@ -615,23 +617,12 @@ def _with_tensor_metadata(gm: fx.GraphModule, example_args: Sequence[torch.Tenso
     return True
 
 
-def _has_depthwise_convolution(gm: fx.GraphModule, example_args: Sequence[torch.Tensor]) -> bool:
-    """Whether `gm` has a grouped convolution with one input channel per group (MobileNet's,
-    EfficientNet's, ConvNeXt's depthwise convolutions). A weight's shape is its example
-    argument's (the graph as loaded from JSON carries no tensor metadata) or its node's."""
-    inputs = dict(
-        zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_args, strict=False)
-    )
-    for node in gm.graph.nodes:
-        if not _is_node(node, aten.convolution.default):
-            continue
-        groups = node.args[8] if len(node.args) > 8 else node.kwargs.get("groups", 1)
-        weight = node.args[1]
-        if isinstance(weight, fx.Node):
-            weight = inputs.get(weight, weight.meta.get("val"))
-        if groups > 1 and isinstance(weight, torch.Tensor) and weight.shape[1] == 1:
-            return True
-    return False
+def _channels_last_is_faster(gm: fx.GraphModule, example_args: Sequence[torch.Tensor]) -> bool:
+    """Whether `gm`'s convolutions ran faster in channels_last, timed on this machine
+    (`convolution_layout`); False for a graph without any."""
+    convolutions = convolutions_of(gm, example_args)
+    device = example_args[0].device if example_args else torch.device("cpu")
+    return channels_last_is_faster(convolutions, device)
 
 
 def _updating_state_in_place(gm: fx.GraphModule, mutated: Sequence[int]) -> fx.GraphModule:
