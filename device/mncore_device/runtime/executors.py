@@ -265,7 +265,8 @@ def _compile_with_inductor(
 ) -> Executor:
     from torch._inductor.compile_fx import compile_fx
 
-    options = _inductor_options(gm, preset, example_args, compile_threads)
+    with _inductor_cache_dir(cache_dir):  # where the layout's timing keeps its decision
+        options = _inductor_options(gm, preset, example_args, compile_threads)
     _scale_before_adding(gm)
     mutated = mutated_inputs or []
     in_place = _updating_state_in_place(gm, mutated) if mutated else gm
