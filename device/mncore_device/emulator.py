@@ -8,6 +8,7 @@ host tensors.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -218,25 +219,26 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
             prepared = artifacts.prepare(traced, specs, preset, values)
             if preset.executor == "inductor":  # the dir keeps the compiled code
                 compiled_code = self._compiled_code(prepared.specs, preset, cache_options)
-        compiled = self._finish(
-            traced,
-            slots,
-            specs,
-            preset,
-            cache_options,
-            start,
-            name=_function_name(function, codegen_dir),
-            compile_threads=keywords.num_compiler_threads,
-            compiled_code=compiled_code,
-        )
-        if prepared is not None:
-            artifacts.save(
-                Path(os.fspath(codegen_dir)),
-                prepared,
-                compiled_code.cache_dir if compiled_code is not None else None,
-                compiled_code.files() if compiled_code is not None else [],
-                compiled_code.runnable_entry() if compiled_code is not None else None,
+        with compiled_code.exclusive() if compiled_code else contextlib.nullcontext():
+            compiled = self._finish(
+                traced,
+                slots,
+                specs,
+                preset,
+                cache_options,
+                start,
+                name=_function_name(function, codegen_dir),
+                compile_threads=keywords.num_compiler_threads,
+                compiled_code=compiled_code,
             )
+            if prepared is not None:
+                artifacts.save(
+                    Path(os.fspath(codegen_dir)),
+                    prepared,
+                    compiled_code.cache_dir if compiled_code is not None else None,
+                    compiled_code.files() if compiled_code is not None else [],
+                    compiled_code.runnable_entry() if compiled_code is not None else None,
+                )
         return compiled
 
     @override
@@ -254,17 +256,25 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
             traced, specs = artifacts.load(directory)
             slots = self._bind(traced, captured=False)
             preset = Preset(**specs["preset"])
-            compiled_code = None
+            compiled_code, names = None, None
             if preset.executor == "inductor":
                 names = artifacts.compiled_files(directory, specs, trust_compiled_code)
                 compiled_code = self._compiled_code(specs, preset, None)
+            with compiled_code.exclusive() if compiled_code else contextlib.nullcontext():
                 if names is not None:
                     compiled_code.install(directory / artifacts.COMPILED_DIR, names)
                     compiled_code.entry = artifacts.compiled_entry(specs, names)
-            name = _function_name(None, path)
-            return self._finish(
-                traced, slots, specs, preset, None, start, name=name, compiled_code=compiled_code
-            )
+                name = _function_name(None, path)
+                return self._finish(
+                    traced,
+                    slots,
+                    specs,
+                    preset,
+                    None,
+                    start,
+                    name=name,
+                    compiled_code=compiled_code,
+                )
 
     def _compiled_code(
         self, specs: dict, preset: Preset, cache_options: CacheOptions | None

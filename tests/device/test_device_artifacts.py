@@ -162,6 +162,79 @@ def test_a_trusted_load_runs_the_compiled_training_step_itself(context, tmp_path
     assert out["model"]["1.running_mean"].ne(bn_model().state_dict()["1.running_mean"]).any()
 
 
+COMPILE_AND_TRAIN = """
+    import sys
+    from pathlib import Path
+
+    import torch
+    import torch.nn as nn
+
+    from mncore_device import Context, MNDevice, set_tensor_name_in_module, storage
+
+    torch.set_num_threads(1)
+    tmp = Path(sys.argv[1])
+    model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+    model.load_state_dict(torch.load(tmp / "init.pt"))
+    optimizer = torch.optim.SGD(model.parameters(), 0.1)
+    context = Context(MNDevice("pfvm:cpu"))
+    Context.switch_context(context)
+    set_tensor_name_in_module(model, "model")
+    for p in model.parameters():
+        context.register_param(p)
+    for b in model.buffers():
+        context.register_buffer(b)
+
+    def step(batch):
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(model(batch["x"]), batch["t"])
+        loss.backward()
+        optimizer.step()
+        return {"loss": loss.detach()}
+
+    batches = torch.load(tmp / "batches.pt")
+    compiled = context.compile(
+        step, batches[0], storage.path(tmp / "codegen"), {"option_json": "O1"}
+    )
+    print([compiled(batch)["loss"].item() for batch in batches])
+"""
+
+
+def test_processes_compiling_the_same_step_at_once_share_the_inductor_cache(tmp_path):
+    """Data-parallel ranks compile the same step at the same time, into one Inductor cache
+    (each into its own codegen dir): both compile, and each dir's compiled code, loaded
+    trusted by a fresh process, trains as its compile did."""
+    cache = tmp_path / "shared-inductor-cache"
+    model, batches = bn_model(), classification_batches(3, 8, 6, 3)
+    ranks = [tmp_path / f"rank{rank}" for rank in range(2)]
+    for directory in ranks:
+        directory.mkdir()
+        torch.save(model.state_dict(), directory / "init.pt")
+        torch.save(batches, directory / "batches.pt")
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)}
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(COMPILE_AND_TRAIN), str(directory)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for directory in ranks
+    ]
+    outputs = [process.communicate(timeout=300) for process in processes]
+    for process, (stdout, stderr) in zip(processes, outputs, strict=True):
+        assert process.returncode == 0, f"compile failed:\n{stdout}\n{stderr}"
+    losses = [json.loads(stdout) for stdout, _ in outputs]
+    assert losses[0] == losses[1]
+    for directory in ranks:
+        run_python(
+            LOAD_AND_TRAIN, directory, "trusted", env={"TORCHINDUCTOR_CACHE_DIR": str(cache)}
+        )
+        out = torch.load(directory / "out.pt")
+        assert not out["compiler_imported"]
+        assert out["losses"] == losses[0]
+
+
 LOAD_AND_ADD = """
     import json
     import sys

@@ -166,6 +166,18 @@ class CompiledCode:
             shutil.copy2(remembered, inductor / FILE_NAME)
 
     entry: str | None = None  # set by a trusted load: see `runnable_entry`
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Holds the directory against other processes for a compile into it and the copy
+        out of it (or a load's copy in): data-parallel ranks compile the same step at the
+        same time, and one must not list or copy files the other is still writing. The
+        second waits, then finds the first's entries, so it compiles nothing."""
+        from torch.utils._filelock import FileLock
+
+        with FileLock(str(self.cache_dir.with_name(self.cache_dir.name + ".lock"))):
+            yield
+
     _output_code: str | None = None  # Inductor's key of the compiled graph's Python module
 
     @contextlib.contextmanager
