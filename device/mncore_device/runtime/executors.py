@@ -8,7 +8,6 @@ of graph inputs and returns the flat list of graph outputs.
 from __future__ import annotations
 
 import contextlib
-import operator
 import os
 import shutil
 import warnings
@@ -23,6 +22,7 @@ from .._source import user_frame_from_stack_trace
 from ..errors import InductorFallbackWarning, NonFiniteError
 from ..presets import Preset
 from .convolution_layout import channels_last_is_faster, convolutions_of
+from .convolution_rewrites import channels_last_weights, is_call, rewritten_convolutions
 from .inductor_keys import apply_remembered_source_keys
 from .opaque_ops import make_opaque
 from .tracing import _is_view_of
@@ -282,9 +282,9 @@ def _compile_with_inductor(
     _scale_before_adding(gm)
     mutated = mutated_inputs or []
     in_place = _updating_state_in_place(gm, mutated) if mutated else gm
-    in_place = _convolutions_on_the_taps_they_read(in_place, example_args)
+    in_place = rewritten_convolutions(in_place, example_args, preset.matmul_max_pixels)
     if options.get("layout_optimization"):
-        in_place = _channels_last_weights(in_place, example_args)
+        in_place = channels_last_weights(in_place, example_args)
     with _inductor_cache_dir(cache_dir), _static_shape_env(example_args) as fake_args:
         apply_remembered_source_keys()
         compiled = compile_fx(in_place, fake_args, config_patches=options)
@@ -417,219 +417,6 @@ def _inductor_options(
     return options
 
 
-def _channels_last_weights(
-    gm: fx.GraphModule, example_args: Sequence[torch.Tensor]
-) -> fx.GraphModule:
-    """`gm` with each convolution weight that is a graph input and whose memory is laid out
-    the same in both formats (one input channel per group, or a 1x1 kernel) read through a
-    view with channels_last strides: no copy, only the strides oneDNN reads the format from.
-
-    Under Inductor's channels_last layout optimization the activations are channels_last,
-    and Inductor gives a weight that is a graph input the channels_last strides it needs,
-    except where the weight already is channels_last by its memory: there it is left with
-    its contiguous strides, and oneDNN, asked for a convolution whose input is ambiguous too
-    (1x1 spatial, as at the end of MobileNet v3), picks the format from the weight's strides
-    and runs its NCHW depthwise kernel. Measured (torch 2.14.1, 1 thread, batch 32, 32x32):
-    MobileNet v3 small's 5x5 depthwise convolution on its 1x1 feature map took 10.3 ms a
-    step instead of 0.13 ms, its backward 10.0 ms instead of 3.4, and the whole step 52 ms
-    instead of 31. torch.compile's graphs get the same views from Inductor, as AOTAutograd
-    hands it parameters that are not mutated inputs."""
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    examples = dict(
-        zip((n for n in graph.nodes if n.op == "placeholder"), example_args, strict=False)
-    )
-    first = next(n for n in graph.nodes if n.op != "placeholder")
-    views: dict[fx.Node, fx.Node] = {}
-    for node in list(graph.nodes):
-        if _is_node(node, aten.convolution.default):
-            index = 1
-        elif _is_node(node, aten.convolution_backward.default):
-            index = 2
-        else:
-            continue
-        weight = node.args[index]
-        value = examples.get(weight)
-        if not isinstance(value, torch.Tensor) or value.dim() != 4:
-            continue
-        if not (value.is_contiguous() and value.is_contiguous(memory_format=torch.channels_last)):
-            continue
-        if weight not in views:
-            strides = (
-                torch.empty(value.shape, device="meta")
-                .to(memory_format=torch.channels_last)
-                .stride()
-            )
-            with graph.inserting_before(first):
-                views[weight] = graph.call_function(
-                    aten.as_strided.default, (weight, list(value.shape), list(strides))
-                )
-        node.update_arg(index, views[weight])
-    return _LazyGraphModule(gm, graph) if views else gm
-
-
-def _convolutions_on_the_taps_they_read(
-    gm: fx.GraphModule, example_args: Sequence[torch.Tensor]
-) -> fx.GraphModule:
-    """`gm` with each convolution whose padding is wider than its input (a 7x7 kernel on a
-    1x1 or 2x2 feature map) given only the kernel taps that ever meet the input, and the
-    padding less by as much: the taps left out multiply only padding, so the outputs and the
-    input's gradient are the same numbers, and the weight's gradient is the trimmed one's
-    padded back with zeros (what those taps' gradient is).
-
-    oneDNN runs such a convolution over the whole kernel: measured (torch 2.14.1, 1 thread),
-    ConvNeXt's 7x7 depthwise convolution on a [4, 768, 1, 1] map took 1.3 ms forward and
-    1.4 ms backward in NCHW and 18 ms backward in channels_last (the format its other
-    depthwise convolutions want), at batch 32 10.5 ms forward in NCHW; on its center tap
-    alone it is an elementwise product. The shapes come from a run of the graph on fake
-    tensors, only where it has a padded convolution."""
-    if not any(_pads_a_kernel(node) for node in gm.graph.nodes):
-        return gm
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    lacking = [n for n in graph.nodes if "val" not in n.meta]
-    if not _with_tensor_metadata(fx.GraphModule(gm, graph), example_args):
-        return gm
-    inputs = dict(
-        zip((n for n in graph.nodes if n.op == "placeholder"), example_args, strict=False)
-    )
-
-    def shape(value: object) -> torch.Size | None:
-        tensor = inputs.get(value, value.meta.get("val")) if isinstance(value, fx.Node) else None
-        return tensor.shape if isinstance(tensor, torch.Tensor) else None
-
-    kernels: dict[tuple[fx.Node, tuple], fx.Node] = {}  # (weight, taps) -> trimmed kernel
-    for node in list(graph.nodes):
-        if _is_node(node, aten.convolution.default):
-            x, w, at = node.args[0], node.args[1], 3
-        elif _is_node(node, aten.convolution_backward.default):
-            x, w, at = node.args[1], node.args[2], 4
-        else:
-            continue
-        stride, padding, dilation, transposed = node.args[at : at + 4]
-        x_shape, w_shape = shape(x), shape(w)
-        if transposed or x_shape is None or w_shape is None or len(w_shape) != 4:
-            continue
-        taps = []  # per spatial dimension: the first and last tap that meets the input
-        for size, k, s, p, d in zip(
-            x_shape[2:], w_shape[2:], stride, padding, dilation, strict=True
-        ):
-            out = (size + 2 * p - k) // s + 1
-            first, last = max(0, p - (out - 1) * s), min(k - 1, size - 1 + p)
-            if (
-                d != 1
-                or first > last
-                or (size + 2 * (p - first) - (last - first + 1)) // s + 1 != out
-            ):
-                taps = []
-                break
-            taps.append((first, last))
-        if not taps or all(t == (0, k - 1) for t, k in zip(taps, w_shape[2:], strict=True)):
-            continue
-        key = (w, tuple(taps))
-        kernel = kernels.get(key)
-        if kernel is None:  # the forward's node comes first, and its backward's reuses it
-            with graph.inserting_before(node):
-                kernel = w
-                for dim, (first, last) in enumerate(taps, start=2):
-                    kernel = graph.call_function(aten.slice.Tensor, (kernel, dim, first, last + 1))
-                # the taps as a contiguous weight, copied once a step in a fused kernel: a
-                # strided view makes oneDNN's convolution (forward and backward) copy it
-                # with aten's copy, 6 ms for a [512, 512, 2, 2] kernel
-                kernel = graph.call_function(
-                    aten.clone.default, (kernel,), {"memory_format": torch.contiguous_format}
-                )
-            kernels[key] = kernel
-        pad = []  # the weight gradient's, for constant_pad_nd: the last dimension first
-        for k, (first, last) in reversed(list(zip(w_shape[2:], taps, strict=True))):
-            pad += [first, k - 1 - last]
-        channels = x_shape[1]
-        if (
-            all(first == last == p for (first, last), p in zip(taps, padding, strict=True))
-            and w_shape[0] == channels == node.args[at + 5]
-            and w_shape[1] == 1
-        ):
-            # a depthwise kernel's one tap on the input itself: a product per channel
-            # (PyTorch runs a 1x1 depthwise convolution group by group: 2.7 ms for this)
-            _depthwise_as_product(graph, node, kernel, channels, pad)
-            continue
-        args = list(node.args)
-        args[at - 2] = kernel  # the weight: args[1] of convolution, args[2] of its backward
-        args[at + 1] = [p - first for p, (first, _) in zip(padding, taps, strict=True)]
-        node.args = tuple(args)
-        node.meta.pop("val", None)  # (the backward's weight gradient is the trimmed one)
-        if node.target is aten.convolution.default:
-            continue
-        for user in list(node.users):
-            if _is_node(user, operator.getitem) and user.args[1] == 1:
-                user.meta.pop("val", None)
-                with graph.inserting_after(user):
-                    full = graph.call_function(aten.constant_pad_nd.default, (user, pad, 0.0))
-                user.replace_all_uses_with(full, delete_user_cb=lambda u, full=full: u is not full)
-    for node in lacking:  # Inductor traces the graph again; the rest had metadata before
-        node.meta.pop("val", None)
-    return _LazyGraphModule(gm, graph) if kernels else gm
-
-
-def _depthwise_as_product(
-    graph: fx.Graph, node: fx.Node, kernel: fx.Node, channels: int, pad: list[int]
-) -> None:
-    """Replace `node`, a depthwise convolution (or its backward) whose output is its input
-    times one weight per channel (`kernel`, [C, 1, 1, 1]), with that product; the weight
-    gradient is padded back to the whole kernel by `pad`."""
-    per_channel = [1, channels, 1, 1]
-    with graph.inserting_before(node):
-        scale = graph.call_function(aten.reshape.default, (kernel, per_channel))
-        if node.target is aten.convolution.default:
-            x, bias = node.args[0], node.args[2]
-            result = graph.call_function(aten.mul.Tensor, (x, scale))
-            if bias is not None:
-                shift = graph.call_function(aten.reshape.default, (bias, per_channel))
-                result = graph.call_function(aten.add.Tensor, (result, shift))
-            node.replace_all_uses_with(result)
-            graph.erase_node(node)
-            return
-        grad_output, x = node.args[0], node.args[1]
-        for user in list(node.users):
-            index = user.args[1]
-            if index == 0:
-                value = graph.call_function(aten.mul.Tensor, (grad_output, scale))
-            elif index == 1:
-                product = graph.call_function(aten.mul.Tensor, (grad_output, x))
-                summed = graph.call_function(aten.sum.dim_IntList, (product, [0, 2, 3]))
-                value = graph.call_function(aten.reshape.default, (summed, [channels, 1, 1, 1]))
-                value = graph.call_function(aten.constant_pad_nd.default, (value, pad, 0.0))
-            else:
-                value = graph.call_function(aten.sum.dim_IntList, (grad_output, [0, 2, 3]))
-            user.replace_all_uses_with(value)
-            graph.erase_node(user)
-        graph.erase_node(node)
-
-
-def _pads_a_kernel(node: fx.Node) -> bool:
-    """`node` is a convolution (or its backward) with padding: one that may pad more than
-    its input is wide."""
-    if _is_node(node, aten.convolution.default):
-        return any(p > 0 for p in node.args[4])
-    return _is_node(node, aten.convolution_backward.default) and any(p > 0 for p in node.args[5])
-
-
-def _with_tensor_metadata(gm: fx.GraphModule, example_args: Sequence[torch.Tensor]) -> bool:
-    """Give every node of `gm` its value's metadata (`meta["val"]`, a fake tensor), as
-    make_fx does and the graphs compiled here lack; False where a node cannot be run on
-    fake tensors."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            FakeTensorProp(gm, FakeTensorMode(allow_non_fake_inputs=True)).propagate(*example_args)
-    except Exception:  # an op without a fake implementation: the graph keeps its convolutions
-        return False
-    return True
-
-
 def _channels_last_is_faster(gm: fx.GraphModule, example_args: Sequence[torch.Tensor]) -> bool:
     """Whether `gm`'s convolutions ran faster in channels_last, timed on this machine
     (`convolution_layout`); False for a graph without any."""
@@ -703,17 +490,13 @@ def _matmuls_apart_from_full_size_adds():
                 if len(node.args) != 2 or node.kwargs.get("alpha", 1) != 1:
                     continue
                 for matmul, other in (node.args, node.args[::-1]):
-                    if _is_node(matmul, aten.mm.default) and _has_full_shape(other, node):
+                    if is_call(matmul, aten.mm.default) and _has_full_shape(other, node):
                         matmul.meta[preserve] = True
 
         def uuid(self) -> str:
             return f"mncore_device.matmuls_apart_from_full_size_adds.2.{preserve is not None}"
 
     return MatmulsApartFromFullSizeAdds()
-
-
-def _is_node(value: object, target: object) -> bool:
-    return isinstance(value, fx.Node) and value.op == "call_function" and value.target is target
 
 
 def _has_full_shape(value: object, result: fx.Node) -> bool:
