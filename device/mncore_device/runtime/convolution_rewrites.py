@@ -58,6 +58,7 @@ def rewritten_convolutions(
         return tensor.shape if isinstance(tensor, torch.Tensor) else None
 
     kernels: dict[tuple[fx.Node, tuple], fx.Node] = {}  # (weight, taps) -> trimmed kernel
+    rows: dict[tuple[fx.Node, tuple], fx.Node] = {}  # (input, stride) -> its pixels as rows
     rewritten = False
     for node in list(graph.nodes):
         if is_call(node, aten.convolution.default):
@@ -111,7 +112,7 @@ def rewritten_convolutions(
             and groups == 1
             and x_shape[2] * x_shape[3] <= matmul_max_pixels
         ):
-            _pointwise_as_matmul(graph, node, kernel, x_shape, w_shape[0], stride, pad)
+            _pointwise_as_matmul(graph, node, kernel, x_shape, w_shape[0], stride, pad, rows)
         elif trimmed:
             _on_the_taps(graph, node, at, kernel, taps, pad)
         else:
@@ -179,11 +180,13 @@ def _pointwise_as_matmul(
     out_channels: int,
     stride: Sequence[int],
     pad: list[int],
+    rows: dict[tuple[fx.Node, tuple], fx.Node],
 ) -> None:
     """Replace `node`, a convolution (or its backward) whose kernel is one tap (`kernel`,
     [C_out, C_in, 1, 1]) on the input's pixels, with matrix multiplications over the
     pixels read at the stride, as rows [N * H_out * W_out, C]; the weight gradient is padded
-    back to the whole kernel by `pad`.
+    back to the whole kernel by `pad`. `rows`: the input's rows made by a forward before,
+    which its backward reads too (one copy of an NCHW input, not two).
 
     oneDNN's convolution on a few pixels was measured (torch 2.14.1, 1 thread, batch 32,
     forward and backward) at 13.2 ms for ResNet-50's [2048 -> 512] 1x1 kernel on a 1x1 map,
@@ -208,18 +211,22 @@ def _pointwise_as_matmul(
     with graph.inserting_before(node):
         weight = call(aten.reshape.default, kernel, [out_channels, c_in])
         x = node.args[0] if node.target is aten.convolution.default else node.args[1]
-        read = x
-        for dim, step in ((2, stride[0]), (3, stride[1])):
-            if step != 1:
-                read = call(aten.slice.Tensor, read, dim, 0, x_shape[dim], step)
+        key = (x, tuple(stride))
+        if key not in rows:
+            read = x
+            for dim, step in ((2, stride[0]), (3, stride[1])):
+                if step != 1:
+                    read = call(aten.slice.Tensor, read, dim, 0, x_shape[dim], step)
+            rows[key] = as_rows(read, c_in)
+        x_rows = rows[key]
         if node.target is aten.convolution.default:
             bias = node.args[2]
             transposed_weight = call(aten.permute.default, weight, [1, 0])
             if bias is None:
-                rows = call(aten.mm.default, as_rows(read, c_in), transposed_weight)
+                out = call(aten.mm.default, x_rows, transposed_weight)
             else:
-                rows = call(aten.addmm.default, bias, as_rows(read, c_in), transposed_weight)
-            node.replace_all_uses_with(as_map(rows, out_channels))
+                out = call(aten.addmm.default, bias, x_rows, transposed_weight)
+            node.replace_all_uses_with(as_map(out, out_channels))
             graph.erase_node(node)
             return
         grad_output = node.args[0]
@@ -237,7 +244,7 @@ def _pointwise_as_matmul(
                         )
             elif index == 1:
                 transposed_grad = call(aten.permute.default, grad_rows, [1, 0])
-                value = call(aten.mm.default, transposed_grad, as_rows(read, c_in))
+                value = call(aten.mm.default, transposed_grad, x_rows)
                 value = call(aten.reshape.default, value, [out_channels, c_in, 1, 1])
                 if any(pad):
                     value = call(aten.constant_pad_nd.default, value, pad, 0.0)
