@@ -289,23 +289,44 @@ def test_a_layout_decision_is_timed_once_per_set_of_convolutions(layout_decision
     assert len(timings) == 2
 
 
-@pytest.mark.parametrize(
-    ("input_shape", "weight_shape", "groups", "channels_last"),
-    [
-        ((8, 64, 32, 32), (64, 1, 3, 3), 64, True),  # depthwise: measured about 2x faster
-        ((8, 256, 4, 4), (256, 256, 3, 3), 1, False),  # ResNet's last stage: about 0.65x
-    ],
-)
-def test_the_timing_finds_the_faster_layout(
-    layout_decisions, input_shape, weight_shape, groups, channels_last
-):
-    """The real timing, on two convolutions far from the line (oneDNN, torch 2.14.1)."""
+def test_the_timing_runs_each_convolution_in_both_layouts(layout_decisions, monkeypatch):
+    """What the timing measures (not which layout wins: that is this machine's, and timed
+    assertions are flaky): each convolution, forward and backward, once untimed and then
+    timed, with its input and its output's gradient in the stored layout and in
+    channels_last, and the weight given channels_last strides as Inductor's copy would."""
     from mncore_device.runtime.convolution_layout import Convolution
 
-    conv = Convolution(input_shape, weight_shape, (1, 1), (1, 1), (1, 1), groups, True, "float32")
-    timed = layout_decisions._time_both(collections.Counter({conv: 1}), torch.device("cpu"))
-    stored, in_channels_last = timed
-    assert (in_channels_last < stored) is channels_last
+    seen = collections.Counter()
+    real = torch.ops.aten
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def convolution_backward(self, grad, x, weight, *args):
+            last = x.is_contiguous(memory_format=torch.channels_last) and x.dim() == 4
+            assert grad.is_contiguous(memory_format=torch.channels_last) == last
+            layout = torch.channels_last if last else torch.contiguous_format
+            assert weight.is_contiguous(memory_format=layout)
+            seen[(tuple(x.shape), "channels_last" if last else "stored")] += 1
+            return real.convolution_backward(grad, x, weight, *args)
+
+    monkeypatch.setattr(layout_decisions, "aten", Recording())
+    convolutions = collections.Counter(
+        {
+            Convolution((2, 8, 6, 6), (8, 1, 3, 3), (1, 1), (1, 1), (1, 1), 8, True, "float32"): 2,
+            Convolution((2, 8, 4, 4), (4, 8, 3, 3), (1, 1), (1, 1), (1, 1), 1, True, "float32"): 1,
+        }
+    )
+    stored, in_channels_last = layout_decisions._time_both(convolutions, torch.device("cpu"))
+    assert stored > 0 and in_channels_last > 0
+    passes = set(seen.values())
+    assert len(passes) == 1 and 2 <= passes.pop() <= 4  # one untimed, then up to three
+    assert set(seen) == {
+        (shape, layout)
+        for shape in [(2, 8, 6, 6), (2, 8, 4, 4)]
+        for layout in ("stored", "channels_last")
+    }
 
 
 def test_ambiguous_weights_are_read_with_channels_last_strides():
