@@ -59,7 +59,9 @@ def bn_model() -> nn.Module:
 
 # --- load_codegen_dir ---------------------------------------------------------------------
 
-LOAD_AND_TRAIN = """
+REGISTERED_BN_MODEL = """
+    # bn_model() with the initial weights in argv[1]/init.pt and SGD with momentum, all
+    # registered in a new Context: the start of the scripts below
     import sys
     from pathlib import Path
 
@@ -88,6 +90,11 @@ LOAD_AND_TRAIN = """
     set_buffer_name_in_optimizer(optimizer, "optimizer")
     context.register_optimizer_buffers(optimizer)
 
+"""
+
+LOAD_AND_TRAIN = (
+    REGISTERED_BN_MODEL
+    + """
     trusted = sys.argv[2:] == ["trusted"]
     compiled = context.load_codegen_dir(
         storage.path(tmp / "codegen"), trust_compiled_code=trusted
@@ -102,6 +109,7 @@ LOAD_AND_TRAIN = """
         tmp / "out.pt",
     )
 """
+)
 
 
 def _bn_training_step(context, tmp_path, n_batches):
@@ -162,28 +170,9 @@ def test_a_trusted_load_runs_the_compiled_training_step_itself(context, tmp_path
     assert out["model"]["1.running_mean"].ne(bn_model().state_dict()["1.running_mean"]).any()
 
 
-COMPILE_AND_TRAIN = """
-    import sys
-    from pathlib import Path
-
-    import torch
-    import torch.nn as nn
-
-    from mncore_device import Context, MNDevice, set_tensor_name_in_module, storage
-
-    torch.set_num_threads(1)
-    tmp = Path(sys.argv[1])
-    model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
-    model.load_state_dict(torch.load(tmp / "init.pt"))
-    optimizer = torch.optim.SGD(model.parameters(), 0.1)
-    context = Context(MNDevice("pfvm:cpu"))
-    Context.switch_context(context)
-    set_tensor_name_in_module(model, "model")
-    for p in model.parameters():
-        context.register_param(p)
-    for b in model.buffers():
-        context.register_buffer(b)
-
+COMPILE_AND_TRAIN = (
+    REGISTERED_BN_MODEL
+    + """
     def step(batch):
         optimizer.zero_grad()
         loss = nn.functional.cross_entropy(model(batch["x"]), batch["t"])
@@ -197,6 +186,7 @@ COMPILE_AND_TRAIN = """
     )
     print([compiled(batch)["loss"].item() for batch in batches])
 """
+)
 
 
 def test_processes_compiling_the_same_step_at_once_share_the_inductor_cache(tmp_path):

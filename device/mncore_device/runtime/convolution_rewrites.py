@@ -290,14 +290,6 @@ def _depthwise_as_product(
         graph.erase_node(node)
 
 
-def _pads_a_kernel(node: fx.Node) -> bool:
-    """`node` is a convolution (or its backward) with padding: one that may pad more than
-    its input is wide."""
-    if is_call(node, aten.convolution.default):
-        return any(p > 0 for p in node.args[4])
-    return is_call(node, aten.convolution_backward.default) and any(p > 0 for p in node.args[5])
-
-
 def _with_tensor_metadata(gm: fx.GraphModule, example_args: Sequence[torch.Tensor]) -> bool:
     """Give every node of `gm` its value's metadata (`meta["val"]`, a fake tensor), as
     make_fx does and the graphs compiled here lack; False where a node cannot be run on

@@ -163,9 +163,10 @@ class CompiledCode:
         inductor.mkdir(parents=True, exist_ok=True)
         remembered = shared / FILE_NAME
         if remembered.is_file() and not (inductor / FILE_NAME).exists():
-            shutil.copy2(remembered, inductor / FILE_NAME)
+            _copy_whole(remembered, inductor / FILE_NAME)  # another rank may be reading it
 
     entry: str | None = None  # set by a trusted load: see `runnable_entry`
+    _output_code: str | None = None  # Inductor's key of the compiled graph's Python module
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
@@ -177,8 +178,6 @@ class CompiledCode:
 
         with FileLock(str(self.cache_dir.with_name(self.cache_dir.name + ".lock"))):
             yield
-
-    _output_code: str | None = None  # Inductor's key of the compiled graph's Python module
 
     @contextlib.contextmanager
     def noting_the_compiled_graph(self) -> Iterator[None]:
@@ -243,9 +242,7 @@ class CompiledCode:
         for name in names:
             target = self.cache_dir / name
             target.parent.mkdir(parents=True, exist_ok=True)
-            staging = target.with_name(f".{target.name}.{os.getpid()}")
-            shutil.copy2(source / name, staging)
-            os.replace(staging, target)
+            _copy_whole(source / name, target)
 
     def files(self) -> list[str]:
         """The files a load needs, relative to the directory (lock files left out)."""
@@ -255,6 +252,14 @@ class CompiledCode:
             if path.is_file() and "locks" not in relative.parts and path.suffix != ".lock":
                 names.append(relative.as_posix())
         return names
+
+
+def _copy_whole(source: Path, target: Path) -> None:
+    """Copy `source` to `target` through a staging file: a reader in another process sees
+    the old file or the whole new one, never a part."""
+    staging = target.with_name(f".{target.name}.{os.getpid()}")
+    shutil.copy2(source, staging)
+    os.replace(staging, target)
 
 
 def _retarget_devices(gm: fx.GraphModule, device: torch.device) -> None:
