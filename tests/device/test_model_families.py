@@ -473,3 +473,59 @@ def test_one_by_one_convolutions_on_a_few_pixels_are_matmuls():
             == 8
         )
         torch.testing.assert_close(rewritten(*args), gm(*args), rtol=1e-5, atol=1e-5)
+
+
+class SmallMapsCNN(nn.Module):
+    """The end of a ResNet on small images: 1x1 convolutions on a 2x2 map (one strided to
+    1x1) and a 3x3 on a 1x1 map, with BatchNorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv2d(2, 6, 3, stride=2, padding=1),  # 4x4 -> 2x2: a convolution
+            nn.BatchNorm2d(6),
+            nn.ReLU(),
+            nn.Conv2d(6, 8, 1),  # 2x2, with a bias
+            nn.ReLU(),
+            nn.Conv2d(8, 8, 1, stride=2, bias=False),  # 2x2 -> 1x1
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.Conv2d(8, 4, 3, padding=1),  # 3x3 on 1x1: its center tap
+            nn.Flatten(),
+            nn.Linear(4, CLASSES),
+        )
+
+    def forward(self, x):
+        return self.net(x)
+
+
+@pytest.mark.parametrize("preset", ["O1", "O2"])
+def test_one_by_one_convolutions_on_a_few_pixels_train_as_eager(context, monkeypatch, preset):
+    """Through Context.compile: a step whose 1x1 convolutions on 2x2 and 1x1 maps run as
+    matmuls trains as eager does (losses, weights, BatchNorm buffers within 1e-5); the three
+    convolutions and their backwards were rewritten, the first convolution was not."""
+    from mncore_device.runtime import convolution_rewrites
+
+    rewritten = []
+    real = convolution_rewrites._pointwise_as_matmul
+
+    def counting(graph, node, *args):
+        rewritten.append(node.target)
+        return real(graph, node, *args)
+
+    monkeypatch.setattr(convolution_rewrites, "_pointwise_as_matmul", counting)
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    batches = [
+        {
+            "x": torch.randn(3, 2, 4, 4, generator=generator),
+            "t": torch.randint(0, CLASSES, (3,), generator=generator),
+        }
+        for _ in range(2)
+    ]
+    _train_as_eager(context, SmallMapsCNN(), loss_fn, batches, preset)
+    forward, backward = (
+        torch.ops.aten.convolution.default,
+        torch.ops.aten.convolution_backward.default,
+    )
+    assert collections.Counter(rewritten) == {forward: 3, backward: 3}
