@@ -34,9 +34,11 @@ class Preset:
     # copies of the weights and their gradients that channels_last costs each step, device
     # state being stored contiguous), ran faster in channels_last: see convolution_layout.
     channels_last_where_faster: bool = False
-    # A 1x1 convolution on a feature map of at most this many pixels (a network's last
-    # stages on small images) runs as matrix multiplications over the pixels, which oneDNN's
-    # convolution was measured far slower than (convolution_rewrites). 0: never.
+    # A convolution on feature maps of at most this many pixels (a network's last stages on
+    # small images) runs as matrix multiplications: a 1x1 kernel over the pixels as rows, a
+    # dense kxk kernel as the linear map between the input's and the output's pixels.
+    # oneDNN's convolution was measured far slower on such maps (convolution_rewrites).
+    # 0: never.
     matmul_max_pixels: int = 4
     # Which stream random ops (dropout, torch.randn, torch.distributions' rsample) draw from
     # under Inductor. "eager": torch's own generator, in the step's order, the numbers eager

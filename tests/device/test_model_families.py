@@ -475,9 +475,64 @@ def test_one_by_one_convolutions_on_a_few_pixels_are_matmuls():
         torch.testing.assert_close(rewritten(*args), gm(*args), rtol=1e-5, atol=1e-5)
 
 
+def test_convolutions_on_a_few_pixels_are_dense_matmuls(monkeypatch):
+    """A dense convolution whose input and output maps have at most 4 pixels each (ResNet's
+    3x3 kernels on their 2x2 maps at 32x32) is the linear map [N, C_in * Q] ->
+    [N, C_out * P] it computes: its forward, input gradient and weight gradient become
+    matmuls by a weight built from the kernel's taps (oneDNN took 6.0-7.3 ms for ResNet's
+    [256 -> 256] 3x3 on 2x2 at batch 32, the matmuls 2.7). Strided kernels, non-square maps
+    (taps that join no pair of pixels give zeros) and a bias are covered; grouped kernels,
+    larger maps and, unless the rewrite is allowed for any size as here, matrices of fewer
+    than SMALL_MAP_MIN_ELEMENTS elements keep their convolution. In float64 the numbers are
+    the convolution's to 1e-12, in float32 to rounding, in either memory format."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from mncore_device.runtime import convolution_rewrites
+    from mncore_device.runtime.convolution_rewrites import rewritten_convolutions
+
+    def step(x2, x14, x4, w3, bias, w3_strided, w2, w4, grouped):
+        y = F.conv2d(x2, w3, bias, padding=1).pow(2).sum()  # 3x3 on 2x2, with a bias
+        y = y + F.conv2d(x2, w3_strided, stride=2, padding=1).pow(2).sum()  # 2x2 -> 1x1
+        y = y + F.conv2d(x2, w2).pow(2).sum()  # a 2x2 kernel on 2x2 -> 1x1
+        y = y + F.conv2d(x14, w3, padding=1).pow(2).sum()  # a 1x4 row: corner taps unused
+        y = y + F.conv2d(x4, w4, padding=1).pow(2).sum()  # 4x4 map: a convolution
+        y = y + F.conv2d(x2, grouped, padding=1, groups=2).pow(2).sum()  # a convolution
+        inputs = (x2, x14, x4, w3, bias, w3_strided, w2, w4, grouped)
+        return (y, *torch.autograd.grad(y, inputs))
+
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(3, 8, 2, 2), (3, 8, 1, 4), (3, 8, 4, 4), (6, 8, 3, 3), (6,), (5, 8, 3, 3),
+              (5, 8, 2, 2), (6, 8, 3, 3), (6, 4, 3, 3)]  # fmt: skip
+    ops = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
+    matmul_ops = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+
+    def convolutions_and_matmuls(graph_module):
+        nodes = graph_module.graph.nodes
+        left = [n.args[1 if n.target is ops[0] else 2].name for n in nodes if n.target in ops]
+        return sorted(left), sum(n.target in matmul_ops for n in nodes)
+
+    for dtype, tolerance in ((torch.float64, 1e-12), (torch.float32, 1e-4)):
+        for memory_format in (torch.contiguous_format, torch.channels_last):
+            args = [torch.randn(shape, generator=generator, dtype=dtype) for shape in shapes]
+            args[:3] = [a.to(memory_format=memory_format) for a in args[:3]]
+            args = [a.requires_grad_() for a in args]
+            gm = make_fx(step)(*args)
+            # these matrices are small: as the preset has it, all six keep their convolution
+            assert convolutions_and_matmuls(rewritten_convolutions(gm, args))[1] == 0
+            monkeypatch.setattr(convolution_rewrites, "SMALL_MAP_MIN_ELEMENTS", 0)
+            rewritten = rewritten_convolutions(gm, args)
+            monkeypatch.undo()
+            # four forwards (the one with a bias an addmm) and four backwards of two each
+            assert convolutions_and_matmuls(rewritten) == (
+                ["grouped_1", "grouped_1", "w4_1", "w4_1"],
+                12,
+            )
+            torch.testing.assert_close(rewritten(*args), gm(*args), rtol=tolerance, atol=tolerance)
+
+
 class SmallMapsCNN(nn.Module):
     """The end of a ResNet on small images: 1x1 convolutions on a 2x2 map (one strided to
-    1x1) and a 3x3 on a 1x1 map, with BatchNorm."""
+    1x1), a 3x3 on the 2x2 map and one on a 1x1 map, with BatchNorm."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -486,6 +541,8 @@ class SmallMapsCNN(nn.Module):
             nn.BatchNorm2d(6),
             nn.ReLU(),
             nn.Conv2d(6, 8, 1),  # 2x2, with a bias
+            nn.ReLU(),
+            nn.Conv2d(8, 8, 3, padding=1),  # 3x3 on 2x2: a dense matmul
             nn.ReLU(),
             nn.Conv2d(8, 8, 1, stride=2, bias=False),  # 2x2 -> 1x1
             nn.BatchNorm2d(8),
@@ -500,20 +557,24 @@ class SmallMapsCNN(nn.Module):
 
 
 @pytest.mark.parametrize("preset", ["O1", "O2"])
-def test_one_by_one_convolutions_on_a_few_pixels_train_as_eager(context, monkeypatch, preset):
-    """Through Context.compile: a step whose 1x1 convolutions on 2x2 and 1x1 maps run as
-    matmuls trains as eager does (losses, weights, BatchNorm buffers within 1e-5); the three
-    convolutions and their backwards were rewritten, the first convolution was not."""
+def test_convolutions_on_a_few_pixels_train_as_eager(context, monkeypatch, preset):
+    """Through Context.compile: a step whose convolutions on 2x2 and 1x1 maps run as matmuls
+    trains as eager does (losses, weights, BatchNorm buffers within 1e-5); the three 1x1
+    products and the 3x3 on 2x2, forwards and backwards, were rewritten, the first
+    convolution (on 4x4) was not."""
     from mncore_device.runtime import convolution_rewrites
 
     rewritten = []
-    real = convolution_rewrites._pointwise_as_matmul
+    for name in ("_pointwise_as_matmul", "_small_map_as_matmul"):
+        real = getattr(convolution_rewrites, name)
 
-    def counting(graph, node, *args):
-        rewritten.append(node.target)
-        return real(graph, node, *args)
+        def counting(graph, node, *args, real=real, name=name):
+            rewritten.append((name, node.target))
+            return real(graph, node, *args)
 
-    monkeypatch.setattr(convolution_rewrites, "_pointwise_as_matmul", counting)
+        monkeypatch.setattr(convolution_rewrites, name, counting)
+    # the 3x3 on 2x2's [32, 32] matrix is far below the size the rewrite pays at
+    monkeypatch.setattr(convolution_rewrites, "SMALL_MAP_MIN_ELEMENTS", 0)
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(1)
     batches = [
@@ -528,4 +589,9 @@ def test_one_by_one_convolutions_on_a_few_pixels_train_as_eager(context, monkeyp
         torch.ops.aten.convolution.default,
         torch.ops.aten.convolution_backward.default,
     )
-    assert collections.Counter(rewritten) == {forward: 3, backward: 3}
+    assert collections.Counter(rewritten) == {
+        ("_pointwise_as_matmul", forward): 3,
+        ("_pointwise_as_matmul", backward): 3,
+        ("_small_map_as_matmul", forward): 1,
+        ("_small_map_as_matmul", backward): 1,
+    }
