@@ -483,7 +483,8 @@ def test_convolutions_on_a_few_pixels_are_dense_matmuls(monkeypatch):
     [256 -> 256] 3x3 on 2x2 at batch 32, the matmuls 2.7). Strided kernels, non-square maps
     (taps that join no pair of pixels give zeros) and a bias are covered; grouped kernels,
     larger maps and, unless the rewrite is allowed for any size as here, matrices of fewer
-    than SMALL_MAP_MIN_ELEMENTS elements keep their convolution. In float64 the numbers are
+    than SMALL_MAP_MIN_ELEMENTS elements and batches under SMALL_MAP_MIN_BATCH keep their
+    convolution. In float64 the numbers are
     the convolution's to 1e-12, in float32 to rounding, in either memory format."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -520,6 +521,8 @@ def test_convolutions_on_a_few_pixels_are_dense_matmuls(monkeypatch):
             # these matrices are small: as the preset has it, all six keep their convolution
             assert convolutions_and_matmuls(rewritten_convolutions(gm, args))[1] == 0
             monkeypatch.setattr(convolution_rewrites, "SMALL_MAP_MIN_ELEMENTS", 0)
+            assert convolutions_and_matmuls(rewritten_convolutions(gm, args))[1] == 0  # batch
+            monkeypatch.setattr(convolution_rewrites, "SMALL_MAP_MIN_BATCH", 1)
             rewritten = rewritten_convolutions(gm, args)
             monkeypatch.undo()
             # four forwards (the one with a bias an addmm) and four backwards of two each
@@ -573,8 +576,9 @@ def test_convolutions_on_a_few_pixels_train_as_eager(context, monkeypatch, prese
             return real(graph, node, *args)
 
         monkeypatch.setattr(convolution_rewrites, name, counting)
-    # the 3x3 on 2x2's [32, 32] matrix is far below the size the rewrite pays at
+    # the 3x3 on 2x2's [32, 32] matrix and the batch of 3 are far below where it pays
     monkeypatch.setattr(convolution_rewrites, "SMALL_MAP_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(convolution_rewrites, "SMALL_MAP_MIN_BATCH", 1)
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(1)
     batches = [

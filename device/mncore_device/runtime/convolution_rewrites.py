@@ -19,12 +19,15 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 aten = torch.ops.aten
 
 
-# The fewest elements of the matrix a convolution on a small map becomes
-# (`_small_map_as_matmul`) for the rewrite to pay: ResNet's [256 -> 256] 3x3 on a 2x2 map
-# (a [1024, 1024] matrix) made ResNet-50's step 14% faster and ResNet-18's 6-10%, while
+# Where a convolution on a small map pays as the matrix it is (`_small_map_as_matmul`), whose
+# building and gradient cost a pass over that matrix each step whatever the batch. The
+# fewest elements of the matrix: ResNet's [256 -> 256] 3x3 on a 2x2 map (a [1024, 1024]
+# matrix) made ResNet-50's step 14% faster and ResNet-18's 6-10% at batch 32, while
 # DenseNet-121's 24 [128 -> 32] ones ([128, 512]) left its step as it was (192.1 against
-# 189.2 ms, batch 32, 1 thread) and only added kernels to build.
+# 189.2 ms, batch 32, 1 thread). And the smallest batch: ResNet-18's step at batch 16 was
+# level (74.6 against 75.2 ms), at batch 4 slower (55.9 against 52.5 ms).
 SMALL_MAP_MIN_ELEMENTS = 1 << 18
+SMALL_MAP_MIN_BATCH = 32
 
 
 def is_call(value: object, target: object) -> bool:
@@ -51,7 +54,8 @@ def rewritten_convolutions(
     `matmul_max_pixels` pixels a matrix multiplication (`_pointwise_as_matmul`). A dense
     kernel of another size on input and output maps of at most that many pixels is the
     linear map between their pixels: matrix multiplications too, where that map has at
-    least `SMALL_MAP_MIN_ELEMENTS` elements (`_small_map_as_matmul`)."""
+    least `SMALL_MAP_MIN_ELEMENTS` elements and the batch `SMALL_MAP_MIN_BATCH` samples
+    (`_small_map_as_matmul`)."""
     convolutions = (aten.convolution.default, aten.convolution_backward.default)
     if not any(node.target in convolutions for node in gm.graph.nodes):
         return gm
@@ -96,6 +100,7 @@ def rewritten_convolutions(
             and not (one_tap and on_the_input)  # a 1x1 product: _pointwise_as_matmul
             and max(len(pairs), pixels) <= matmul_max_pixels
             and w_shape[0] * w_shape[1] * len(pairs) * pixels >= SMALL_MAP_MIN_ELEMENTS
+            and x_shape[0] >= SMALL_MAP_MIN_BATCH
         ):
             _small_map_as_matmul(graph, node, w, x_shape, w_shape, pairs, dense_weights)
             rewritten = True
