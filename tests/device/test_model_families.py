@@ -507,6 +507,15 @@ def test_convolutions_on_a_few_pixels_are_dense_matmuls(monkeypatch):
     ops = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
     matmul_ops = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
 
+    # the pairs of pixels are listed only for maps of a few pixels: a 224x224 image's would
+    # be millions of entries, at every compile
+    paired_maps = []
+    real_pairs = convolution_rewrites._pixel_pairs
+
+    def recording_pairs(x_shape, *args):
+        paired_maps.append(x_shape[2] * x_shape[3])
+        return real_pairs(x_shape, *args)
+
     def convolutions_and_matmuls(graph_module):
         nodes = graph_module.graph.nodes
         left = [n.args[1 if n.target is ops[0] else 2].name for n in nodes if n.target in ops]
@@ -523,8 +532,10 @@ def test_convolutions_on_a_few_pixels_are_dense_matmuls(monkeypatch):
             monkeypatch.setattr(convolution_rewrites, "SMALL_MAP_MIN_ELEMENTS", 0)
             assert convolutions_and_matmuls(rewritten_convolutions(gm, args))[1] == 0  # batch
             monkeypatch.setattr(convolution_rewrites, "SMALL_MAP_MIN_BATCH", 1)
+            monkeypatch.setattr(convolution_rewrites, "_pixel_pairs", recording_pairs)
             rewritten = rewritten_convolutions(gm, args)
             monkeypatch.undo()
+            assert paired_maps and max(paired_maps) <= 4  # not the 4x4 map's 16 pixels
             # four forwards (the one with a bias an addmm) and four backwards of two each
             assert convolutions_and_matmuls(rewritten) == (
                 ["grouped_1", "grouped_1", "w4_1", "w4_1"],

@@ -93,18 +93,20 @@ def rewritten_convolutions(
             continue
         one_tap = all(first == last for first, last in taps)
         on_the_input = all(first == p for (first, _), p in zip(taps, padding, strict=True))
-        pairs = _pixel_pairs(x_shape, w_shape, stride, padding, dilation)
         pixels = x_shape[2] * x_shape[3]
         if (
             groups == 1
             and not (one_tap and on_the_input)  # a 1x1 product: _pointwise_as_matmul
-            and max(len(pairs), pixels) <= matmul_max_pixels
-            and w_shape[0] * w_shape[1] * len(pairs) * pixels >= SMALL_MAP_MIN_ELEMENTS
+            and pixels <= matmul_max_pixels
             and x_shape[0] >= SMALL_MAP_MIN_BATCH
         ):
-            _small_map_as_matmul(graph, node, w, x_shape, w_shape, pairs, dense_weights)
-            rewritten = True
-            continue
+            # (only here: the pairs of a large map's pixels would be millions of entries)
+            pairs = _pixel_pairs(x_shape, w_shape, stride, padding, dilation)
+            elements = w_shape[0] * w_shape[1] * len(pairs) * pixels
+            if len(pairs) <= matmul_max_pixels and elements >= SMALL_MAP_MIN_ELEMENTS:
+                _small_map_as_matmul(graph, node, w, x_shape, w_shape, pairs, dense_weights)
+                rewritten = True
+                continue
         trimmed = any(t != (0, k - 1) for t, k in zip(taps, w_shape[2:], strict=True))
         kernel, pad = w, [0] * 4  # pad: the weight gradient's, the last dimension first
         if trimmed:
@@ -134,12 +136,7 @@ def rewritten_convolutions(
             # a depthwise kernel's one tap on the input itself: a product per channel
             # (PyTorch runs a 1x1 depthwise convolution group by group: 2.7 ms for this)
             _depthwise_as_product(graph, node, kernel, channels, pad)
-        elif (
-            one_tap
-            and on_the_input
-            and groups == 1
-            and x_shape[2] * x_shape[3] <= matmul_max_pixels
-        ):
+        elif one_tap and on_the_input and groups == 1 and pixels <= matmul_max_pixels:
             _pointwise_as_matmul(graph, node, kernel, x_shape, w_shape[0], stride, pad, rows)
         elif trimmed:
             _on_the_taps(graph, node, at, kernel, taps, pad)
