@@ -23,6 +23,7 @@ from ..errors import InductorFallbackWarning, NonFiniteError
 from ..presets import Preset
 from .convolution_layout import channels_last_is_faster, convolutions_of
 from .convolution_rewrites import channels_last_weights, is_call, rewritten_convolutions
+from .fusion_search import scalar_inputs_pair_nothing
 from .inductor_keys import apply_remembered_source_keys
 from .opaque_ops import make_opaque
 from .tracing import _is_view_of
@@ -290,7 +291,11 @@ def _compile_with_inductor(
     in_place = rewritten_convolutions(in_place, example_args, preset.matmul_max_pixels)
     if options.get("layout_optimization"):
         in_place = channels_last_weights(in_place, example_args)
-    with _inductor_cache_dir(cache_dir), _static_shape_env(example_args) as fake_args:
+    with (
+        _inductor_cache_dir(cache_dir),
+        _static_shape_env(example_args) as fake_args,
+        scalar_inputs_pair_nothing(),
+    ):
         apply_remembered_source_keys()
         compiled = compile_fx(in_place, fake_args, config_patches=options)
     if not mutated:
