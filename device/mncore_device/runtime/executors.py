@@ -26,6 +26,7 @@ from .convolution_rewrites import channels_last_weights, is_call, rewritten_conv
 from .fusion_search import scalar_inputs_pair_nothing
 from .inductor_keys import apply_remembered_source_keys
 from .opaque_ops import make_opaque
+from .parallel_build import entry_and_kernels_built_together
 from .tracing import _is_view_of
 
 aten = torch.ops.aten
@@ -295,6 +296,9 @@ def _compile_with_inductor(
         _inductor_cache_dir(cache_dir),
         _static_shape_env(example_args) as fake_args,
         scalar_inputs_pair_nothing(),
+        entry_and_kernels_built_together()
+        if options.get("cpp_wrapper")
+        else contextlib.nullcontext(),
     ):
         apply_remembered_source_keys()
         compiled = compile_fx(in_place, fake_args, config_patches=options)
