@@ -61,7 +61,7 @@ def convolutions_of(
     if not convolutions:
         return collections.Counter()
     try:
-        values = _fake_values(gm, example_args, [n.args[0] for n in convolutions])
+        values = fake_values(gm, example_args, [n.args[0] for n in convolutions])
     except Exception:  # an op without a fake implementation: the stored layout
         return collections.Counter()
     found: collections.Counter[Convolution] = collections.Counter()
@@ -81,11 +81,13 @@ def convolutions_of(
     return found
 
 
-def _fake_values(
+def fake_values(
     gm: fx.GraphModule, example_args: Sequence[torch.Tensor], wanted: Sequence[object]
 ) -> dict[fx.Node, object]:
     """The values of the `wanted` nodes (and of the graph's inputs) on fake tensors, from a
-    run of only the nodes they depend on."""
+    run of only the nodes they depend on. A compiled graph is rebuilt from its JSON form
+    (`artifacts.canonical`) and has no values recorded on its nodes; the convolutions'
+    shapes need only the forward that computes their operands."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     needed: set[fx.Node] = set()
