@@ -570,6 +570,65 @@ class SmallMapsCNN(nn.Module):
         return self.net(x)
 
 
+class ViewsAroundSmallMaps(nn.Module):
+    """A 1x1 and a 3x3 convolution on a 2x2 map made by a view of a Linear's rows, their
+    output viewed again: in NCHW (a plain CNN's flatten) or channels_last (ConvNeXt's
+    LayerNorm over channels). Each `view`, and its backward's view of the gradient, holds
+    only for the strides PyTorch's convolutions give their output and input gradient."""
+
+    def __init__(self, channels_last: bool) -> None:
+        super().__init__()
+        self.channels_last = channels_last
+        self.rows = nn.Linear(8, 8)
+        self.pointwise = nn.Conv2d(8, 8, 1)
+        self.dense = nn.Conv2d(8, 8, 3, padding=1)
+        self.head = nn.Linear(32, CLASSES)
+
+    def forward(self, x):  # x: [N, 32], each sample 4 pixels of 8 channels
+        rows = self.rows(x.view(-1, 8))  # [N * 4, 8]
+        if self.channels_last:
+            maps = rows.view(-1, 2, 2, 8).permute(0, 3, 1, 2)
+        else:
+            maps = rows.view(-1, 8, 2, 2)
+        y = torch.relu(self.pointwise(maps)) + self.dense(maps)
+        if self.channels_last:
+            return self.head(y.permute(0, 2, 3, 1).view(-1, 32))
+        return self.head(y.view(-1, 32))
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
+def test_convolutions_on_a_few_pixels_keep_their_layout(context, monkeypatch, channels_last):
+    """A convolution rewritten as matmuls gives its output and its input's gradient the
+    memory format the convolution would (its input's), so that the views traced around it
+    still hold: the dense rewrite's NCHW gradient of a channels_last input failed such a view
+    in ConvNeXt-tiny's backward, and O1 ran the whole step op by op. Both rewrites, both
+    layouts, through Context.compile at O1: no fallback, the same training as eager."""
+    from mncore_device.runtime import convolution_rewrites
+
+    rewritten = []
+    for name in ("_pointwise_as_matmul", "_small_map_as_matmul"):
+        real = getattr(convolution_rewrites, name)
+
+        def counting(graph, node, *args, real=real, name=name):
+            rewritten.append(name)
+            return real(graph, node, *args)
+
+        monkeypatch.setattr(convolution_rewrites, name, counting)
+    monkeypatch.setattr(convolution_rewrites, "SMALL_MAP_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(convolution_rewrites, "SMALL_MAP_MIN_BATCH", 1)
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    batches = [
+        {
+            "x": torch.randn(3, 32, generator=generator),
+            "t": torch.randint(0, CLASSES, (3,), generator=generator),
+        }
+        for _ in range(2)
+    ]
+    _train_as_eager(context, ViewsAroundSmallMaps(channels_last), loss_fn, batches, "O1")
+    assert collections.Counter(rewritten) == {"_pointwise_as_matmul": 2, "_small_map_as_matmul": 2}
+
+
 @pytest.mark.parametrize("preset", ["O1", "O2"])
 def test_convolutions_on_a_few_pixels_train_as_eager(context, monkeypatch, preset):
     """Through Context.compile: a step whose convolutions on 2x2 and 1x1 maps run as matmuls

@@ -80,9 +80,12 @@ def rewritten_convolutions(
         zip((n for n in graph.nodes if n.op == "placeholder"), example_args, strict=False)
     )
 
+    def tensor(value: object) -> torch.Tensor | None:
+        found = inputs.get(value, value.meta.get("val")) if isinstance(value, fx.Node) else None
+        return found if isinstance(found, torch.Tensor) else None
+
     def shape(value: object) -> torch.Size | None:
-        tensor = inputs.get(value, value.meta.get("val")) if isinstance(value, fx.Node) else None
-        return tensor.shape if isinstance(tensor, torch.Tensor) else None
+        return found.shape if (found := tensor(value)) is not None else None
 
     kernels: dict[tuple[fx.Node, tuple], fx.Node] = {}  # (weight, taps) -> trimmed kernel
     rows: dict[tuple[fx.Node, tuple], fx.Node] = {}  # (input, stride) -> its pixels as rows
@@ -116,7 +119,16 @@ def rewritten_convolutions(
             pairs = _pixel_pairs(x_shape, w_shape, stride, padding, dilation)
             elements = w_shape[0] * w_shape[1] * len(pairs) * pixels
             if len(pairs) <= matmul_max_pixels and elements >= SMALL_MAP_MIN_ELEMENTS:
-                _small_map_as_matmul(graph, node, w, x_shape, w_shape, pairs, dense_weights)
+                _small_map_as_matmul(
+                    graph,
+                    node,
+                    w,
+                    x_shape,
+                    w_shape,
+                    pairs,
+                    dense_weights,
+                    _channels_last(tensor(x)),
+                )
                 rewritten = True
                 continue
         trimmed = any(t != (0, k - 1) for t, k in zip(taps, w_shape[2:], strict=True))
@@ -149,7 +161,10 @@ def rewritten_convolutions(
             # (PyTorch runs a 1x1 depthwise convolution group by group: 2.7 ms for this)
             _depthwise_as_product(graph, node, kernel, channels, pad)
         elif one_tap and on_the_input and groups == 1 and pixels <= matmul_max_pixels:
-            _pointwise_as_matmul(graph, node, kernel, x_shape, w_shape[0], stride, pad, rows)
+            _pointwise_as_matmul(
+                graph, node, kernel, x_shape, w_shape[0], stride, pad, rows,
+                _channels_last(tensor(x)),
+            )  # fmt: skip
         elif trimmed:
             _on_the_taps(graph, node, at, kernel, taps, pad)
         else:
@@ -158,6 +173,32 @@ def rewritten_convolutions(
     for node in lacking:  # Inductor traces the graph again; the rest had metadata before
         node.meta.pop("val", None)
     return _LazyGraphModule(gm, graph) if rewritten else gm
+
+
+def _channels_last(tensor: torch.Tensor | None) -> bool:
+    """Whether a convolution's input is laid out channels_last, as PyTorch's convolutions
+    decide (`suggest_memory_format`): then their output and the input's gradient are too."""
+    return (
+        tensor is not None
+        and tensor.dim() == 4
+        and not tensor.is_contiguous()
+        and tensor.is_contiguous(memory_format=torch.channels_last)
+    )
+
+
+def _laid_out_as_convolution(
+    graph: fx.Graph, value: fx.Node, is_channels_last: bool, channels_last: bool
+) -> fx.Node:
+    """`value`, a map computed in place of a convolution's output or its input's gradient,
+    copied into the memory format the convolution gives those where it is not in it: the
+    views the trace recorded after the convolution were made on its strides, and fail on
+    others (ConvNeXt's LayerNorm over channels, after a 2x2 convolution on a 2x2
+    channels_last map, took its input's gradient as NCHW rows: Inductor refused the graph
+    and O1 ran it op by op)."""
+    if is_channels_last == channels_last:
+        return value
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    return graph.call_function(aten.clone.default, (value,), {"memory_format": memory_format})
 
 
 def _taps_meeting_the_input(
@@ -221,13 +262,16 @@ def _small_map_as_matmul(
     w_shape: Sequence[int],
     pairs: list[list[tuple[int, int] | None]],
     dense_weights: dict[tuple, fx.Node],
+    channels_last: bool,
 ) -> None:
     """Replace `node`, a dense convolution (or its backward) on a map of a few pixels, with
     matrix multiplications by the linear map it is: a weight [C_out * P, C_in * Q] (P output
     and Q input pixels) that holds, for each pair of pixels, the kernel tap joining them
     (zeros where none does), built from the kernel each step and shared by the forward and
     its backward. The input is [N, C_in * Q] as it lies in NCHW, the weight gradient that
-    matrix's gradient summed back tap by tap.
+    matrix's gradient summed back tap by tap. The output and the input's gradient come out
+    NCHW; `channels_last` (the input is) lays them out as the convolution would
+    (`_laid_out_as_convolution`).
 
     For a 3x3 kernel on a 2x2 map every tap that meets the input is a pair, so the matmuls
     do the convolution's arithmetic; oneDNN is slow on such maps. Measured (torch 2.14.1,
@@ -276,8 +320,8 @@ def _small_map_as_matmul(
                 bias = call(aten.expand.default, bias, [c_out, p_count])
                 bias = call(aten.reshape.default, bias, [c_out * p_count])
                 out = call(aten.addmm.default, bias, x_flat, transposed)
-            shape = list(node.meta["val"].shape)
-            node.replace_all_uses_with(call(aten.reshape.default, out, shape))
+            out = call(aten.reshape.default, out, list(node.meta["val"].shape))
+            node.replace_all_uses_with(_laid_out_as_convolution(graph, out, False, channels_last))
             graph.erase_node(node)
             return
         grad_output, x = node.args[0], node.args[1]
@@ -287,6 +331,7 @@ def _small_map_as_matmul(
             if index == 0:
                 value = call(aten.mm.default, grad_flat, big)
                 value = call(aten.reshape.default, value, list(x_shape))
+                value = _laid_out_as_convolution(graph, value, False, channels_last)
             elif index == 1:
                 x_flat = call(aten.reshape.default, x, [n, c_in * q_count])
                 grad_big = call(aten.permute.default, grad_flat, [1, 0])
@@ -345,12 +390,15 @@ def _pointwise_as_matmul(
     stride: Sequence[int],
     pad: list[int],
     rows: dict[tuple[fx.Node, tuple], fx.Node],
+    channels_last: bool,
 ) -> None:
     """Replace `node`, a convolution (or its backward) whose kernel is one tap (`kernel`,
     [C_out, C_in, 1, 1]) on the input's pixels, with matrix multiplications over the
     pixels read at the stride, as rows [N * H_out * W_out, C]; the weight gradient is padded
     back to the whole kernel by `pad`. `rows`: the input's rows made by a forward before,
-    which its backward reads too (one copy of an NCHW input, not two).
+    which its backward reads too (one copy of an NCHW input, not two). The output and the
+    input's gradient come out as rows, channels_last; `channels_last` (the input is) says
+    whether the convolution's would be (`_laid_out_as_convolution`).
 
     oneDNN's convolution on a few pixels was measured (torch 2.14.1, 1 thread, batch 32,
     forward and backward) at 13.2 ms for ResNet-50's [2048 -> 512] 1x1 kernel on a 1x1 map,
@@ -390,7 +438,10 @@ def _pointwise_as_matmul(
                 out = call(aten.mm.default, x_rows, transposed_weight)
             else:
                 out = call(aten.addmm.default, bias, x_rows, transposed_weight)
-            node.replace_all_uses_with(as_map(out, out_channels))
+            out = as_map(out, out_channels)
+            pixels_out = rows_h * rows_w
+            out = _laid_out_as_convolution(graph, out, pixels_out > 1, channels_last)
+            node.replace_all_uses_with(out)
             graph.erase_node(node)
             return
         grad_output = node.args[0]
@@ -399,6 +450,7 @@ def _pointwise_as_matmul(
             index = user.args[1]
             if index == 0:
                 value = as_map(call(aten.mm.default, grad_rows, weight), c_in)
+                as_rows_still = rows_h * rows_w > 1  # (slice_backward's zeros are NCHW)
                 sizes = [n, c_in, rows_h, width]
                 for dim, step, size in ((3, stride[1], width), (2, stride[0], height)):
                     if step != 1:
@@ -406,6 +458,8 @@ def _pointwise_as_matmul(
                         value = call(
                             aten.slice_backward.default, value, list(sizes), dim, 0, size, step
                         )
+                        as_rows_still = False
+                value = _laid_out_as_convolution(graph, value, as_rows_still, channels_last)
             elif index == 1:
                 transposed_grad = call(aten.permute.default, grad_rows, [1, 0])
                 value = call(aten.mm.default, transposed_grad, x_rows)
