@@ -18,7 +18,9 @@ After warm-up, the three are timed interleaved, in `--rounds` rounds of a few st
 step, the ratios (mncore against torch.compile and against eager: above 1 means mncore is
 faster), the same ratios of the process's CPU time per step (at 1 thread, time the process
 was descheduled by other jobs on a shared machine does not count there), and the cold
-compile seconds of torch.compile (its first step) and of mncore.
+compile seconds of torch.compile (its first step) and of mncore. A preset whose graph
+Inductor could not compile runs op by op (an InductorFallbackWarning): its row says so, as
+its step time is then the interpreter's.
 Before either compiles, the process compiles a tiny function both ways, so that neither
 pays Inductor's one-off costs (its import, the CPU probes, building the precompiled header):
 the compile seconds are those of a new model on a machine that has compiled before.
@@ -46,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))  # the helpers next to this script
@@ -108,7 +111,7 @@ def measure(
     (compile seconds then include Inductor's one-off costs)."""
     import torch
 
-    from mncore_device import Context, MNDevice
+    from mncore_device import Context, InductorFallbackWarning, MNDevice
     from mncore_device.presets import load_preset
 
     inductor = [p for p in presets if load_preset(p).executor == "inductor"]
@@ -118,6 +121,7 @@ def measure(
     eager_model, tc_model = copy.deepcopy(model), copy.deepcopy(model)
     runners = {"eager": make_step(eager_model, bench_zoo.make_sgd(eager_model.parameters()))}
     compile_seconds = {}
+    fell_back: dict[str, str] = {}  # an Inductor preset that ran its graph op by op: why
 
     compiled_model = torch.compile(tc_model)
     tc_step = make_step(compiled_model, bench_zoo.make_sgd(tc_model.parameters()))
@@ -134,7 +138,13 @@ def measure(
         optimizer = bench_zoo.make_sgd(twin.parameters())
         registered(context, twin, optimizer)
         step = make_step(twin, optimizer)
-        compiled = context.compile(step, data, options={"option_json": preset})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", InductorFallbackWarning)
+            compiled = context.compile(step, data, options={"option_json": preset})
+        for warning in caught:  # timed all the same, and marked in the table
+            if issubclass(warning.category, InductorFallbackWarning):
+                fell_back[f"mncore {preset}"] = str(warning.message).split("\n")[0]
+                print(f"{name}: {warning.message}", file=sys.stderr, flush=True)
         compile_seconds[f"mncore {preset}"] = compiled.compile_seconds
         runners[f"mncore {preset}"] = compiled
     for key in runners.keys() - {"torch.compile"}:  # torch.compile's took one step: now all
@@ -167,6 +177,7 @@ def measure(
         "round_ms": {k: [1e3 * t for t in v] for k, v in times.items()},
         "cpu_ms_per_step": {k: 1e3 * statistics.median(v) for k, v in cpu_times.items()},
         "compile_seconds": compile_seconds,
+        "fell_back": fell_back,
         "first_loss_diff": {k: abs(first[k] - first["eager"]) for k in runners},
         "last_loss_diff": {k: abs(losses[k][-1] - losses["eager"][-1]) for k in runners},
     }
@@ -243,8 +254,11 @@ def markdown_table(report: dict, header: bool = True) -> str:
         tc = "torch.compile"
         for preset in r["presets"]:
             mn = f"mncore {preset}"
+            name = Path(preset).stem
+            if mn in r.get("fell_back", {}):  # not the preset's code: its interpreter
+                name += " (**fell back to op by op**)"
             cells = [
-                r["model"], str(r["batch"]), str(r["threads"]), Path(preset).stem,
+                r["model"], str(r["batch"]), str(r["threads"]), name,
                 f"{ms['eager']:.1f}", f"{ms[tc]:.1f}", f"{ms[mn]:.1f}",
                 f"{ms[tc] / ms[mn]:.2f}x", f"{ms['eager'] / ms[mn]:.2f}x",
                 f"{cpu[tc] / cpu[mn]:.2f}x, {cpu['eager'] / cpu[mn]:.2f}x",
