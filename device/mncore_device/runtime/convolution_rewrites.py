@@ -73,15 +73,9 @@ def rewritten_convolutions(
         values = fake_values(fx.GraphModule(gm, graph), example_args, operands)
     except Exception:  # an op without a fake implementation: the graph keeps its convolutions
         return gm
-    lacking = [n for n in operands if "val" not in n.meta and n in values]
-    for node in lacking:
-        node.meta["val"] = values[node]
-    inputs = dict(
-        zip((n for n in graph.nodes if n.op == "placeholder"), example_args, strict=False)
-    )
 
     def tensor(value: object) -> torch.Tensor | None:
-        found = inputs.get(value, value.meta.get("val")) if isinstance(value, fx.Node) else None
+        found = values.get(value) if isinstance(value, fx.Node) else None
         return found if isinstance(found, torch.Tensor) else None
 
     def shape(value: object) -> torch.Size | None:
@@ -125,6 +119,7 @@ def rewritten_convolutions(
                     w,
                     x_shape,
                     w_shape,
+                    shape(node),
                     pairs,
                     dense_weights,
                     _channels_last(tensor(x)),
@@ -170,8 +165,6 @@ def rewritten_convolutions(
         else:
             continue
         rewritten = True
-    for node in lacking:  # Inductor traces the graph again; the rest had metadata before
-        node.meta.pop("val", None)
     return _LazyGraphModule(gm, graph) if rewritten else gm
 
 
@@ -260,6 +253,7 @@ def _small_map_as_matmul(
     w: fx.Node,
     x_shape: Sequence[int],
     w_shape: Sequence[int],
+    out_shape: Sequence[int] | None,
     pairs: list[list[tuple[int, int] | None]],
     dense_weights: dict[tuple, fx.Node],
     channels_last: bool,
@@ -269,7 +263,8 @@ def _small_map_as_matmul(
     and Q input pixels) that holds, for each pair of pixels, the kernel tap joining them
     (zeros where none does), built from the kernel each step and shared by the forward and
     its backward. The input is [N, C_in * Q] as it lies in NCHW, the weight gradient that
-    matrix's gradient summed back tap by tap. The output and the input's gradient come out
+    matrix's gradient summed back tap by tap (`out_shape`: the forward's output; None for a
+    backward). The output and the input's gradient come out
     NCHW; `channels_last` (the input is) lays them out as the convolution would
     (`_laid_out_as_convolution`).
 
@@ -320,7 +315,7 @@ def _small_map_as_matmul(
                 bias = call(aten.expand.default, bias, [c_out, p_count])
                 bias = call(aten.reshape.default, bias, [c_out * p_count])
                 out = call(aten.addmm.default, bias, x_flat, transposed)
-            out = call(aten.reshape.default, out, list(node.meta["val"].shape))
+            out = call(aten.reshape.default, out, list(out_shape))
             node.replace_all_uses_with(_laid_out_as_convolution(graph, out, False, channels_last))
             graph.erase_node(node)
             return
