@@ -30,12 +30,12 @@ def scalar_inputs_pair_nothing() -> Iterator[None]:
     from torch._inductor import scheduler
 
     node_class, scheduler_class = scheduler.BaseSchedulerNode, scheduler.Scheduler
-    used, search = node_class.used_buffer_names, scheduler_class.get_possible_fusions
     if "used_buffer_names" not in vars(node_class) or "get_possible_fusions" not in vars(
         scheduler_class
     ):
         yield
         return
+    used, search = node_class.used_buffer_names, scheduler_class.get_possible_fusions
     skipped: list[frozenset[str]] = []  # the names left out by the search running now
 
     def used_buffer_names(self):
