@@ -198,3 +198,23 @@ def classification_batches(
         x = torch.randn(batch, features, generator=generator) * scale
         batches.append({"x": x, "t": (x @ rule).argmax(dim=1)})
     return batches
+
+
+def recording_small_map_rewrites(monkeypatch) -> list[tuple[str, object]]:
+    """The (rewrite, convolution op) of each convolution the matmul rewrites replace from
+    now on, with both floors of the dense rewrite lowered: test models' matrices and
+    batches are far below where it pays."""
+    from mncore_device.runtime import convolution_rewrites
+
+    rewritten = []
+    for name in ("_pointwise_as_matmul", "_small_map_as_matmul"):
+        real = getattr(convolution_rewrites, name)
+
+        def recording(graph, node, *args, real=real, name=name):
+            rewritten.append((name, node.target))
+            return real(graph, node, *args)
+
+        monkeypatch.setattr(convolution_rewrites, name, recording)
+    monkeypatch.setattr(convolution_rewrites, "SMALL_MAP_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(convolution_rewrites, "SMALL_MAP_MIN_BATCH", 1)
+    return rewritten

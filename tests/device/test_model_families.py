@@ -24,6 +24,7 @@ from mncore_device import InductorFallbackWarning
 from tests.device.device_testing import (
     assert_state_close,
     make_sgd,
+    recording_small_map_rewrites,
     register,
     training_step,
     twin,
@@ -570,26 +571,6 @@ class SmallMapsCNN(nn.Module):
         return self.net(x)
 
 
-def _recording_small_map_rewrites(monkeypatch) -> list[tuple[str, object]]:
-    """The (rewrite, convolution op) of each convolution the matmul rewrites replace from
-    now on, with both floors of the dense rewrite lowered: these tests' matrices and
-    batches of 3 are far below where it pays."""
-    from mncore_device.runtime import convolution_rewrites
-
-    rewritten = []
-    for name in ("_pointwise_as_matmul", "_small_map_as_matmul"):
-        real = getattr(convolution_rewrites, name)
-
-        def recording(graph, node, *args, real=real, name=name):
-            rewritten.append((name, node.target))
-            return real(graph, node, *args)
-
-        monkeypatch.setattr(convolution_rewrites, name, recording)
-    monkeypatch.setattr(convolution_rewrites, "SMALL_MAP_MIN_ELEMENTS", 0)
-    monkeypatch.setattr(convolution_rewrites, "SMALL_MAP_MIN_BATCH", 1)
-    return rewritten
-
-
 def _small_map_batches(sample_shape: tuple[int, ...]) -> list[dict[str, torch.Tensor]]:
     """Two batches of 3 samples of `sample_shape`, from a fixed seed."""
     torch.manual_seed(0)
@@ -636,7 +617,7 @@ def test_convolutions_on_a_few_pixels_keep_their_layout(context, monkeypatch, ch
     still hold: the dense rewrite's NCHW gradient of a channels_last input failed such a view
     in ConvNeXt-tiny's backward, and O1 ran the whole step op by op. Both rewrites, both
     layouts, through Context.compile at O1: no fallback, the same training as eager."""
-    rewritten = _recording_small_map_rewrites(monkeypatch)
+    rewritten = recording_small_map_rewrites(monkeypatch)
     batches = _small_map_batches((32,))
     _train_as_eager(context, ViewsAroundSmallMaps(channels_last), loss_fn, batches, "O1")
     assert collections.Counter(name for name, _ in rewritten) == {
@@ -651,7 +632,7 @@ def test_convolutions_on_a_few_pixels_train_as_eager(context, monkeypatch, prese
     trains as eager does (losses, weights, BatchNorm buffers within 1e-5); the three 1x1
     products and the 3x3 on 2x2, forwards and backwards, were rewritten, the first
     convolution (on 4x4) was not."""
-    rewritten = _recording_small_map_rewrites(monkeypatch)
+    rewritten = recording_small_map_rewrites(monkeypatch)
     batches = _small_map_batches((2, 4, 4))
     _train_as_eager(context, SmallMapsCNN(), loss_fn, batches, preset)
     forward, backward = (

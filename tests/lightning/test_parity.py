@@ -74,6 +74,18 @@ def test_mncore_matches_cpu(model_kwargs):
         assert not torch.allclose(bn.running_var, torch.ones_like(bn.running_var))
 
 
+def _assert_fits_match(mncore_run, cpu_run) -> None:
+    """Two `_run` results of 3 epochs of 3 steps agree within ATOL: every step's loss, the
+    weights, the optimizer state and every epoch's logged metrics."""
+    (mn_trainer, mn_model, mn), (cpu_trainer, cpu_model, cpu) = mncore_run, cpu_run
+    assert len(cpu.losses) == len(mn.losses) == 3 * 3
+    torch.testing.assert_close(torch.stack(mn.losses), torch.stack(cpu.losses), atol=ATOL, rtol=0)
+    assert_state_close(mn_model, cpu_model)
+    assert_optimizer_state_close(mn_trainer.optimizers[0], cpu_trainer.optimizers[0])
+    for mn_metrics, cpu_metrics in zip(mn.epoch_metrics, cpu.epoch_metrics, strict=True):
+        assert_metrics_close(mn_metrics, cpu_metrics)
+
+
 @pytest.mark.parametrize("cpp_wrapper_max_ops", [1000, 0], ids=["cpp_wrapper", "python_wrapper"])
 def test_mncore_o1_matches_cpu(cpp_wrapper_max_ops, tmp_path, monkeypatch):
     """At O1 (TorchInductor: fused kernels, state updated in place, the matmul kept apart from
@@ -92,9 +104,58 @@ def test_mncore_o1_matches_cpu(cpp_wrapper_max_ops, tmp_path, monkeypatch):
     mn_trainer, mn_model, mn = _run("mncore", model_kwargs)
 
     assert mn_trainer.strategy.preset == str(tmp_path / "O1.json")
-    assert len(cpu.losses) == len(mn.losses) == 3 * 3
-    torch.testing.assert_close(torch.stack(mn.losses), torch.stack(cpu.losses), atol=ATOL, rtol=0)
-    assert_state_close(mn_model, cpu_model)
-    assert_optimizer_state_close(mn_trainer.optimizers[0], cpu_trainer.optimizers[0])
-    for mn_metrics, cpu_metrics in zip(mn.epoch_metrics, cpu.epoch_metrics, strict=True):
-        assert_metrics_close(mn_metrics, cpu_metrics)
+    _assert_fits_match((mn_trainer, mn_model, mn), (cpu_trainer, cpu_model, cpu))
+
+
+class _SmallMapsClassifier(LitClassifier):
+    """LitClassifier over 2x2 maps of 8 channels made by a view of a Linear's output, in NCHW
+    or channels_last, through a 1x1 and a 3x3 convolution (which O1 runs as matmuls on maps
+    this small), viewed again to rows: views that hold only for the strides PyTorch's
+    convolutions give their output and their input's gradient."""
+
+    def __init__(self, channels_last: bool, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.channels_last = channels_last
+        self.net = torch.nn.ModuleDict(
+            {
+                "rows": torch.nn.Linear(8, 32),
+                "pointwise": torch.nn.Conv2d(8, 8, 1),
+                "dense": torch.nn.Conv2d(8, 8, 3, padding=1),
+                "head": torch.nn.Linear(32, 3),
+            }
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = self.net["rows"](x)
+        if self.channels_last:
+            maps = rows.view(-1, 2, 2, 8).permute(0, 3, 1, 2)
+        else:
+            maps = rows.view(-1, 8, 2, 2)
+        y = torch.relu(self.net["pointwise"](maps)) + self.net["dense"](maps)
+        if self.channels_last:
+            return self.net["head"](y.permute(0, 2, 3, 1).reshape(-1, 32))
+        return self.net["head"](y.view(-1, 32))
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
+def test_mncore_o1_matches_cpu_with_convolutions_on_small_maps(monkeypatch, channels_last):
+    """At O1 a convolution on a map of at most 4 pixels runs as matmuls, laid out as the
+    convolution would lay out its output and its input's gradient; a fit through them
+    matches cpu (losses, weights, optimizer state, logged metrics within ATOL), with both
+    rewrites applied (their floors lowered to reach this small model) and no fallback to
+    running op by op."""
+    import warnings
+
+    from mncore_device import InductorFallbackWarning
+    from tests.device.device_testing import recording_small_map_rewrites
+
+    rewritten = recording_small_map_rewrites(monkeypatch)
+    monkeypatch.setenv("MNCORE_PRESET", "O1")
+    model_kwargs = dict(channels_last=channels_last, optimizer="sgd", lr=0.1)
+    cpu_trainer, cpu_model, cpu = _run("cpu", model_kwargs, model_cls=_SmallMapsClassifier)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", InductorFallbackWarning)
+        mn_trainer, mn_model, mn = _run("mncore", model_kwargs, model_cls=_SmallMapsClassifier)
+
+    assert {"_pointwise_as_matmul", "_small_map_as_matmul"} <= {name for name, _ in rewritten}
+    _assert_fits_match((mn_trainer, mn_model, mn), (cpu_trainer, cpu_model, cpu))
