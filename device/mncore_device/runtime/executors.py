@@ -21,6 +21,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from .._source import user_frame_from_stack_trace
 from ..errors import InductorFallbackWarning, NonFiniteError
 from ..presets import Preset
+from .codegen_memo import codegen_work_remembered
 from .convolution_layout import channels_last_is_faster, convolutions_of
 from .convolution_rewrites import channels_last_weights, is_call, rewritten_convolutions
 from .fusion_search import scalar_inputs_pair_nothing
@@ -296,6 +297,7 @@ def _compile_with_inductor(
         _inductor_cache_dir(cache_dir),
         _static_shape_env(example_args) as fake_args,
         scalar_inputs_pair_nothing(),
+        codegen_work_remembered(),
         entry_and_kernels_built_together()
         if options.get("cpp_wrapper")
         else contextlib.nullcontext(),
