@@ -27,7 +27,7 @@ from .convolution_rewrites import channels_last_weights, is_call, rewritten_conv
 from .fusion_search import scalar_inputs_pair_nothing
 from .inductor_keys import apply_remembered_source_keys
 from .opaque_ops import make_opaque
-from .parallel_build import entry_and_kernels_built_together
+from .parallel_build import entry_and_kernels_built_together, kernels_built_while_generating
 from .tracing import _is_view_of
 
 aten = torch.ops.aten
@@ -298,6 +298,7 @@ def _compile_with_inductor(
         _static_shape_env(example_args) as fake_args,
         scalar_inputs_pair_nothing(),
         codegen_work_remembered(),
+        kernels_built_while_generating(),
         entry_and_kernels_built_together()
         if options.get("cpp_wrapper")
         else contextlib.nullcontext(),

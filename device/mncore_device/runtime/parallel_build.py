@@ -1,11 +1,19 @@
-"""A C++ wrapper's entry and kernels, compiled at the same time.
+"""Compiler runs that TorchInductor (torch 2.14.1) starts one after another, started side by
+side: each context here changes when a build starts, never what is built.
 
-With `cpp_wrapper_build_separate` (the O1 and O2 presets) TorchInductor (torch 2.14.1)
-compiles a graph's C++ entry function (at -O1) and its kernels (at -O3) as two object files
-and links them, one compiler run after the other (`codecache._worker_compile_cpp`). The two
-runs do not depend on each other: here they run side by side, and the link waits for both.
-Measured (ResNet-18, batch 32, bench_compile.py, fresh processes): the entry took 4.8 s and
-the kernels 6.4 s one after the other."""
+- A C++ wrapper's entry and kernels (`entry_and_kernels_built_together`). With
+  `cpp_wrapper_build_separate` (the O1 and O2 presets) Inductor compiles a graph's C++ entry
+  function (at -O1) and its kernels (at -O3) as two object files and links them, one compiler
+  run after the other (`codecache._worker_compile_cpp`). The two runs do not depend on each
+  other: here they run side by side, and the link waits for both. Measured (ResNet-18, batch
+  32, bench_compile.py, fresh processes): the entry took 4.8 s and the kernels 6.4 s one
+  after the other.
+- A Python wrapper's kernels (`kernels_built_while_generating`). Inductor hands each fused
+  C++ kernel to its compile workers only when the finished wrapper module is imported, after
+  the code generation of the whole graph; the workers wait until then, and then the module
+  waits for them. Here each kernel goes to the workers as soon as it is generated, so the
+  compilers run during the rest of the code generation.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +21,7 @@ import contextlib
 import os
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 
 @contextlib.contextmanager
@@ -54,3 +63,52 @@ def _build_objects_together(lock_path: str, cpp_builders: Sequence, timeout: flo
                     built.result()
         if not os.path.exists(linker.get_target_file_path()):
             linker.build()
+
+
+_PYBINDING_CALL = "async_compile.cpp_pybinding("
+
+
+@contextlib.contextmanager
+def kernels_built_while_generating() -> Iterator[None]:
+    """Within this context, each C++ kernel of a graph with the Python wrapper is submitted
+    to Inductor's compile workers when Inductor defines it, by running the statement the
+    wrapper module will run for it (`name = async_compile.cpp_pybinding(...)`) then. Inductor's
+    C++ code cache keeps one build per source: when the module runs the same statement, it
+    gets that build, finished or under way. Nothing changes with one compile thread (Inductor
+    then builds each kernel when its statement runs, in the calling process), with the C++
+    wrapper (its kernels are one library), or on a torch without these functions."""
+    try:
+        from torch._inductor.async_compile import AsyncCompile, get_compile_threads
+        from torch._inductor.codegen.wrapper import PythonWrapperCodegen
+        from torch._inductor.utils import IndentedBuffer
+
+        define = PythonWrapperCodegen.define_kernel
+        statement_of = PythonWrapperCodegen._format_kernel_definition
+    except (ImportError, AttributeError):
+        yield
+        return
+
+    def define_kernel(
+        self: Any,
+        kernel_name: str,
+        kernel_body: str,
+        metadata: str | None = None,
+        gpu: bool = True,
+        cpp_definition: str | None = None,
+    ) -> None:
+        define(self, kernel_name, kernel_body, metadata, gpu, cpp_definition)
+        if gpu or not kernel_body.startswith(_PYBINDING_CALL) or get_compile_threads() <= 1:
+            return
+        # the statement as the wrapper writes it into the module (_define_kernel_helper)
+        module_lines = IndentedBuffer()
+        module_lines.splice(statement_of(kernel_name, kernel_body, metadata))
+        try:
+            exec(module_lines.getvalue(), {"async_compile": AsyncCompile()})  # noqa: S102
+        except Exception:  # noqa: BLE001 (the module's own statement builds it, or raises)
+            pass
+
+    PythonWrapperCodegen.define_kernel = define_kernel
+    try:
+        yield
+    finally:
+        PythonWrapperCodegen.define_kernel = define
