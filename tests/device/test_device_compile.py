@@ -483,23 +483,24 @@ def test_a_cpp_wrapper_graphs_entry_and_kernels_compile_at_the_same_time(
 def test_a_python_wrappers_kernels_compile_while_inductor_generates_the_rest(
     context, monkeypatch, tmp_path
 ):
-    """Inductor hands a Python wrapper's C++ kernels to its compile workers only when the
-    finished wrapper module is imported; the O1 executor hands each over when it is
-    generated (MobileNet v2, batch 32, 1 thread, fresh processes: a cold compile of 62.2 s
-    instead of 67.5). Every build then starts before the module import, and each kernel is
-    built once: the same sources as Inductor's own order."""
+    """Inductor builds a Python wrapper's C++ kernels only when the finished wrapper module is
+    imported; the O1 executor starts building each when it is generated, in a pool of one
+    thread fewer than Inductor's compile threads. Kernels are then built by that pool, and
+    each once: the same builds and the same sources as in Inductor's order."""
     import contextlib
     import json
+    import threading
 
     from torch._inductor import config as inductor_config
-    from torch._inductor.async_compile import AsyncCompile
-    from torch._inductor.codecache import CppPythonBindingsCodeCache, PyCodeCache
+    from torch._inductor import cpp_builder
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
 
     from mncore_device.runtime import executors, parallel_build
     from tests.device.device_testing import make_sgd, training_step
 
     preset = json.loads(preset_path("O1").read_text())
     preset["cpp_wrapper_max_ops"] = 0  # the Python wrapper, whatever the graph's size
+    preset["channels_last_where_faster"] = False  # no layout timing: the same code each time
     (tmp_path / "O1.json").write_text(json.dumps(preset))
     torch.manual_seed(0)
     model = nn.Sequential(
@@ -509,22 +510,19 @@ def test_a_python_wrappers_kernels_compile_while_inductor_generates_the_rest(
     register(context, model, optimizer)
     step = training_step(model, optimizer, lambda m, b: m(b["x"]).pow(2).mean())
     batch = {"x": torch.randn(4, 3, 6, 6)}
-    real_submit = AsyncCompile.submit.__func__
-    real_load = PyCodeCache.load_by_key_path.__func__
+    real_build = cpp_builder.CppBuilder.build
 
-    def compile_recording(early_builds, cache: Path) -> tuple[list[str], list[str]]:
-        events: list[str] = []
+    def compile_recording(early_builds, cache: Path) -> tuple[list, list[str]]:
+        builds: list[tuple[str, str]] = []  # (the library built, the thread that built it)
+        lock = threading.Lock()
 
-        def submit(cls, task):
-            events.append("build")
-            return real_submit(cls, task)
+        def build(self):
+            with lock:
+                target = Path(self.get_target_file_path()).name
+                builds.append((target, threading.current_thread().name))
+            return real_build(self)
 
-        def load(cls, *args, **kwargs):
-            events.append("module")
-            return real_load(cls, *args, **kwargs)
-
-        monkeypatch.setattr(AsyncCompile, "submit", classmethod(submit))
-        monkeypatch.setattr(PyCodeCache, "load_by_key_path", classmethod(load))
+        monkeypatch.setattr(cpp_builder.CppBuilder, "build", build)
         monkeypatch.setattr(CppPythonBindingsCodeCache, "cache", {})  # nothing built yet
         monkeypatch.setattr(executors, "kernels_built_while_generating", early_builds)
         monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
@@ -532,18 +530,20 @@ def test_a_python_wrappers_kernels_compile_while_inductor_generates_the_rest(
             context.compile(step, batch, options={"option_json": tmp_path / "O1.json"})
         kernels = sorted(p.name for p in cache.rglob("*.cpp"))  # named by a hash of their code
         (wrapper,) = [p.read_text() for p in cache.rglob("*.py")]
-        return events, [*kernels, wrapper.split("\n", 1)[1]]  # less its "# AOT ID: [n]"
+        return builds, [*kernels, wrapper.split("\n", 1)[1]]  # less its "# AOT ID: [n]"
 
     # Inductor's one-time probes of the CPU go into the first compile's cache only
     compile_recording(contextlib.nullcontext, tmp_path / "first")
-    events, sources = compile_recording(
+    builds, sources = compile_recording(
         parallel_build.kernels_built_while_generating, tmp_path / "early"
     )
     by_inductor, inductors_sources = compile_recording(
         contextlib.nullcontext, tmp_path / "inductor"
     )
-    builds = events.count("build")
-    assert builds >= 2 and builds == by_inductor.count("build"), (events, by_inductor)
-    assert events.index("module") == builds, events  # every build before the import
-    assert by_inductor.index("module") < by_inductor.index("build"), by_inductor
-    assert len(sources) == builds + 1 and sources == inductors_sources
+    built = sorted(target for target, _ in builds)
+    assert len(built) >= 2 and built == sorted(target for target, _ in by_inductor)
+    assert len(set(built)) == len(built)  # each kernel once
+    early = [target for target, thread in builds if thread.startswith("mncore-kernel-build")]
+    assert early, builds
+    assert not [t for t, thread in by_inductor if thread.startswith("mncore-kernel-build")]
+    assert len(sources) > 1 and sources == inductors_sources

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import types
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -70,23 +71,36 @@ _PYBINDING_CALL = "async_compile.cpp_pybinding("
 
 @contextlib.contextmanager
 def kernels_built_while_generating() -> Iterator[None]:
-    """Within this context, each C++ kernel of a graph with the Python wrapper is submitted
-    to Inductor's compile workers when Inductor defines it, by running the statement the
-    wrapper module will run for it (`name = async_compile.cpp_pybinding(...)`) then. Inductor's
-    C++ code cache keeps one build per source: when the module runs the same statement, it
-    gets that build, finished or under way. Nothing changes with one compile thread (Inductor
-    then builds each kernel when its statement runs, in the calling process), with the C++
-    wrapper (its kernels are one library), or on a torch without these functions."""
+    """Within this context, each C++ kernel of a graph with the Python wrapper is built when
+    Inductor defines it, by running then the statement the wrapper module will run for it
+    (`name = async_compile.cpp_pybinding(...)`), in a pool of one thread fewer than Inductor's
+    compile threads: the code generation keeps a core of its own, and the compilers use the
+    others. Inductor's C++ code cache keeps one build per source: when the module runs the
+    same statement, it gets that build, done or under way. Nothing changes with one compile
+    thread, with the C++ wrapper (its kernels are one library), or on a torch without these
+    functions."""
     try:
-        from torch._inductor.async_compile import AsyncCompile, get_compile_threads
+        from torch._inductor.async_compile import get_compile_threads
+        from torch._inductor.codecache import CppPythonBindingsCodeCache
         from torch._inductor.codegen.wrapper import PythonWrapperCodegen
         from torch._inductor.utils import IndentedBuffer
 
         define = PythonWrapperCodegen.define_kernel
         statement_of = PythonWrapperCodegen._format_kernel_definition
+        build_now = CppPythonBindingsCodeCache.load_pybinding
     except (ImportError, AttributeError):
         yield
         return
+
+    # what the statement calls: Inductor's own build when it has one compile thread
+    names = {"async_compile": types.SimpleNamespace(cpp_pybinding=build_now)}
+    builds = ThreadPoolExecutor(max(1, get_compile_threads() - 1), "mncore-kernel-build")
+
+    def build(statement: str) -> None:
+        try:
+            exec(statement, dict(names))  # noqa: S102
+        except Exception:  # noqa: BLE001 (the module's own statement builds it, or raises)
+            pass
 
     def define_kernel(
         self: Any,
@@ -102,13 +116,11 @@ def kernels_built_while_generating() -> Iterator[None]:
         # the statement as the wrapper writes it into the module (_define_kernel_helper)
         module_lines = IndentedBuffer()
         module_lines.splice(statement_of(kernel_name, kernel_body, metadata))
-        try:
-            exec(module_lines.getvalue(), {"async_compile": AsyncCompile()})  # noqa: S102
-        except Exception:  # noqa: BLE001 (the module's own statement builds it, or raises)
-            pass
+        builds.submit(build, module_lines.getvalue())
 
     PythonWrapperCodegen.define_kernel = define_kernel
     try:
         yield
     finally:
         PythonWrapperCodegen.define_kernel = define
+        builds.shutdown(wait=True, cancel_futures=True)
