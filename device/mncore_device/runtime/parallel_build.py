@@ -10,9 +10,14 @@ side: each context here changes when a build starts, never what is built.
   after the other.
 - A Python wrapper's kernels (`kernels_built_while_generating`). Inductor hands each fused
   C++ kernel to its compile workers only when the finished wrapper module is imported, after
-  the code generation of the whole graph; the workers wait until then, and then the module
-  waits for them. Here each kernel goes to the workers as soon as it is generated, so the
-  compilers run during the rest of the code generation.
+  the code generation of the whole graph, which runs on one core: the other cores wait until
+  then, and then the module waits for them. Here each kernel starts building as soon as it is
+  generated, on the cores the code generation leaves free. Measured (batch 32, 1 thread, O1,
+  fresh processes, the layout pinned): DenseNet-121 214.3 -> 181.1 s, of which 33 of its 204
+  kernels (30.5 s of compiler time) were built before the module import. Handed to
+  Inductor's workers all at once (as many as cores), the compilers slowed the code
+  generation more than they saved (MobileNet v2 after torch.compile in one process: 66.4-67.1
+  s against 63.3-64.3).
 """
 
 from __future__ import annotations
