@@ -390,16 +390,8 @@ def test_inductors_code_generation_does_its_repeated_work_once(context, monkeypa
     from torch._inductor.dtype_propagation import DtypePropagationOpsHandler
 
     from mncore_device.runtime import codegen_memo, executors
-    from tests.device.device_testing import make_sgd, training_step
 
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(288, 4)
-    )
-    optimizer = make_sgd(model.parameters(), kind="mncore")
-    register(context, model, optimizer)
-    step = training_step(model, optimizer, lambda m, b: m(b["x"]).pow(2).mean())
-    batch = {"x": torch.randn(4, 3, 6, 6)}
+    step, batch = _registered_conv_step(context)
     real_simplify, real_bind = sympy.simplify, DtypePropagationOpsHandler.__init__
 
     def compile_counting(work_context, cache: Path) -> tuple[int, int, list[str]]:
@@ -496,20 +488,12 @@ def test_a_python_wrappers_kernels_compile_while_inductor_generates_the_rest(
     from torch._inductor.codecache import CppPythonBindingsCodeCache
 
     from mncore_device.runtime import executors, parallel_build
-    from tests.device.device_testing import make_sgd, training_step
 
     preset = json.loads(preset_path("O1").read_text())
     preset["cpp_wrapper_max_ops"] = 0  # the Python wrapper, whatever the graph's size
     preset["channels_last_where_faster"] = False  # no layout timing: the same code each time
     (tmp_path / "O1.json").write_text(json.dumps(preset))
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(288, 4)
-    )
-    optimizer = make_sgd(model.parameters(), kind="mncore")
-    register(context, model, optimizer)
-    step = training_step(model, optimizer, lambda m, b: m(b["x"]).pow(2).mean())
-    batch = {"x": torch.randn(4, 3, 6, 6)}
+    step, batch = _registered_conv_step(context)
     real_build = cpp_builder.CppBuilder.build
 
     def compile_recording(early_builds, cache: Path) -> tuple[list, list[str]]:
@@ -547,3 +531,18 @@ def test_a_python_wrappers_kernels_compile_while_inductor_generates_the_rest(
     assert early, builds
     assert not [t for t, thread in by_inductor if thread.startswith("mncore-kernel-build")]
     assert len(sources) > 1 and sources == inductors_sources
+
+
+def _registered_conv_step(context):
+    """A small convolution, BatchNorm and linear step with MNCoreSGD, registered with
+    `context`, and a batch for it: a step graph with a few kernels of each kind."""
+    from tests.device.device_testing import make_sgd, training_step
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(288, 4)
+    )
+    optimizer = make_sgd(model.parameters(), kind="mncore")
+    register(context, model, optimizer)
+    step = training_step(model, optimizer, lambda m, b: m(b["x"]).pow(2).mean())
+    return step, {"x": torch.randn(4, 3, 6, 6)}
