@@ -40,6 +40,7 @@ from torch import fx
 from .._source import user_frame
 from ..errors import StaticGraphError
 from ..runtime import signature
+from ..runtime.frame_stack import on_a_roomy_frame_stack
 from .as_tensor import as_tensor_follows_numbers
 from .batch_leaves import isinstance_sees_the_value
 from .host_random import existing_generators_are_host_code
@@ -503,7 +504,9 @@ class DynamoFrontend:
         frontend = weakref.ref(self)
 
         def backend(graph_module: fx.GraphModule, examples: list[Any]) -> Callable[..., Any]:
-            return frontend()._backend(graph_module, examples)
+            # the whole compile (capture passes, the device's compile) on one chunk of
+            # CPython's frame stack: see runtime/frame_stack.py
+            return on_a_roomy_frame_stack(frontend()._backend, graph_module, examples)
 
         def guard_failed(failure: Any) -> None:
             if frontend() is not None:
