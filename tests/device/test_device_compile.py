@@ -327,12 +327,15 @@ def test_inductor_presets_give_small_graphs_the_cpp_wrapper(
     assert patches[-1].get("reorder_for_peak_memory", True) is cpp_wrapper
 
 
-def test_inductors_fusion_search_pairs_no_nodes_through_a_scalar_input(context, monkeypatch):
+def test_inductors_fusion_search_pairs_only_nodes_of_one_size_through_a_scalar_input(
+    context, monkeypatch
+):
     """A step's optimizer reads its hyperparameters as 0-d inputs, once per parameter: each of
     them groups every update for Inductor's fusion search, which tried each pair of updates
-    within 64 places and refused them all (they share fewer bytes than it fuses for): most of
-    DenseNet-121's 21 s of fusion search. The O1 executor leaves small read-only inputs out of
-    the search's groups: far fewer pairs are tried, and the same fusions are made."""
+    within 64 places, though updates of different sizes cannot fuse: most of DenseNet-121's
+    21 s of fusion search. The O1 executor groups the nodes reading a small read-only input by
+    their size: far fewer pairs are tried, and the same fusions are made (Inductor fuses the
+    same-shaped updates through their shared scalars)."""
     import contextlib
 
     from torch._inductor import config as inductor_config
@@ -364,16 +367,17 @@ def test_inductors_fusion_search_pairs_no_nodes_through_a_scalar_input(context, 
 
         monkeypatch.setattr(scheduler.Scheduler, "can_fuse", can_fuse)
         monkeypatch.setattr(scheduler.Scheduler, "fuse_nodes", fuse_nodes)
-        monkeypatch.setattr(executors, "scalar_inputs_pair_nothing", search_context)
+        monkeypatch.setattr(executors, "scalar_inputs_pair_equal_sizes", search_context)
         with inductor_config.patch(force_disable_caches=True):  # both compiles schedule
             context.compile(step, batch, options={"option_json": "O1"})
         return tried[0], fused
 
-    tried, fused = compile_recording(executors.scalar_inputs_pair_nothing)
+    tried, fused = compile_recording(executors.scalar_inputs_pair_equal_sizes)
     tried_by_inductor, fused_by_inductor = compile_recording(contextlib.nullcontext)
     assert fused and fused == fused_by_inductor
-    # 20 updates: the scalars' groups held 190 pairs for Inductor to try, in every round
-    assert tried_by_inductor - tried >= 190, (tried, tried_by_inductor)
+    # 10 weights (64 elements) and 10 biases (8): the scalars' groups held 100 pairs of a weight's
+    # update and a bias's for Inductor to try, in every round, and none of them can fuse
+    assert tried_by_inductor - tried >= 200, (tried, tried_by_inductor)
 
 
 def test_inductors_code_generation_does_its_repeated_work_once(context, monkeypatch, tmp_path):
@@ -544,6 +548,92 @@ def test_a_python_wrappers_kernels_compile_while_inductor_generates_the_rest(
     # every kernel was handed to the pool before the module's import, and only then
     assert events[:kernels] == ["asked"] * kernels and "import" in events[kernels:], events
     assert "asked" not in inductors_events, inductors_events
+
+
+def test_new_state_is_written_by_the_kernel_that_computes_it(monkeypatch):
+    """Inductor lowers each copy of a new weight, momentum or BatchNorm statistic into its state
+    input as two scheduler nodes (the value as a buffer, then a copy of it), which it fuses back
+    into one kernel. The O1 executor has the value's own node store into the state: one
+    scheduler node fewer per state input whose new value no other node reads as a buffer, and
+    the same results."""
+    import contextlib
+
+    from torch._inductor import config as inductor_config
+    from torch._inductor import graph, scheduler
+
+    from mncore_device.runtime import executors, state_writes
+    from tests.device.device_testing import new_context
+
+    real_init, real_run = scheduler.Scheduler.__init__, graph.GraphLowering.run
+
+    def train_recording(written_in_place) -> tuple[int, int, list[float], dict]:
+        nodes, copies = [], []
+
+        def init(self, operations, *args, **kwargs):
+            nodes.append(len(operations))  # before fusion
+            real_init(self, operations, *args, **kwargs)
+
+        def run(self, *args, **kwargs):
+            copies.append(sum(n.target is torch.ops.aten.copy_.default for n in self.graph.nodes))
+            return real_run(self, *args, **kwargs)
+
+        monkeypatch.setattr(scheduler.Scheduler, "__init__", init)
+        monkeypatch.setattr(graph.GraphLowering, "run", run)
+        monkeypatch.setattr(executors, "new_state_written_in_place", written_in_place)
+        context = new_context()
+        step, batch = _registered_conv_step(context)
+        with inductor_config.patch(force_disable_caches=True):  # both compiles schedule
+            compiled = context.compile(step, batch, options={"option_json": "O1"})
+        losses = [compiled(batch)["loss"].item() for _ in range(3)]
+        context.synchronize()
+        state = {name: t.clone() for name, t in context.registered_tensors().items()}
+        return nodes[-1], copies[-1], losses, state
+
+    nodes, copies, losses, state = train_recording(state_writes.new_state_written_in_place)
+    nodes_by_inductor, _, losses_by_inductor, state_by_inductor = train_recording(
+        contextlib.nullcontext
+    )
+    assert copies == len(state) == 21  # 6 weights, 12 MNCoreSGD states, BatchNorm's 3
+    # all but the 6 momentum buffers, whose new value the weights' update reads as a buffer
+    assert nodes_by_inductor - nodes == copies - 6, (nodes, nodes_by_inductor)
+    assert losses == losses_by_inductor
+    assert state.keys() == state_by_inductor.keys()
+    for name, value in state.items():
+        assert torch.equal(value, state_by_inductor[name]), name
+
+
+def test_state_read_before_another_states_write_reads_its_old_value(context):
+    """A step that reads one state's old value into another's new value (b += a, then a *= x)
+    gets eager's results, whichever order the graph writes them in."""
+
+    class Pairs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            for name in "abcd":
+                self.register_buffer(name, torch.randn(64))
+
+    torch.manual_seed(0)
+    state, eager = Pairs(), Pairs()
+    eager.load_state_dict(state.state_dict())
+    register(context, state)
+
+    def update(module, batch):
+        module.b.add_(module.a)  # a's old value: read before a's write, by b's write only
+        module.a.mul_(batch["x"])
+        module.c.mul_(batch["x"])  # c's new value: read by d's write and by the output
+        module.d.add_(module.c)
+        return {"total": module.d.sum()}
+
+    sample = {"x": torch.full((64,), 2.0)}
+    compiled = context.compile(lambda b: update(state, b), sample, options={"option_json": "O1"})
+    for i in range(3):
+        batch = {"x": torch.full((64,), 1.5 + i)}
+        out = compiled(batch)["total"]
+        expected = update(eager, batch)["total"]
+        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-5)
+    context.synchronize()
+    for name in "abcd":
+        torch.testing.assert_close(getattr(state, name), getattr(eager, name), rtol=0, atol=0)
 
 
 def _registered_conv_step(context):

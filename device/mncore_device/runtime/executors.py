@@ -24,10 +24,11 @@ from ..presets import Preset
 from .codegen_memo import codegen_work_remembered
 from .convolution_layout import channels_last_is_faster, convolutions_of
 from .convolution_rewrites import channels_last_weights, is_call, rewritten_convolutions
-from .fusion_search import scalar_inputs_pair_nothing
+from .fusion_search import scalar_inputs_pair_equal_sizes
 from .inductor_keys import apply_remembered_source_keys
 from .opaque_ops import make_opaque
 from .parallel_build import entry_and_kernels_built_together, kernels_built_while_generating
+from .state_writes import new_state_written_in_place
 from .tracing import _is_view_of
 
 aten = torch.ops.aten
@@ -296,8 +297,9 @@ def _compile_with_inductor(
     with (
         _inductor_cache_dir(cache_dir),
         _static_shape_env(example_args) as fake_args,
-        scalar_inputs_pair_nothing(),
+        scalar_inputs_pair_equal_sizes(),
         codegen_work_remembered(),
+        new_state_written_in_place(),
         kernels_built_while_generating(),
         entry_and_kernels_built_together()
         if options.get("cpp_wrapper")
