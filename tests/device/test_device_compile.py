@@ -553,9 +553,11 @@ def test_a_python_wrappers_kernels_compile_while_inductor_generates_the_rest(
 def test_new_state_is_written_by_the_kernel_that_computes_it(monkeypatch):
     """Inductor lowers each copy of a new weight, momentum or BatchNorm statistic into its state
     input as two scheduler nodes (the value as a buffer, then a copy of it), which it fuses back
-    into one kernel. The O1 executor has the value's own node store into the state: one
-    scheduler node fewer per state input whose new value no other node reads as a buffer, and
-    the same results."""
+    into one kernel, and it first realizes every pending reader of the old value as a buffer,
+    even those nothing reads, which its scheduler builds nodes for and then drops. The O1
+    executor has the value's own node store into the state, and realizes only the readers
+    something reads: one live node fewer per state input whose new value no other node reads
+    as a buffer, no dead ones, and the same results."""
     import contextlib
 
     from torch._inductor import config as inductor_config
@@ -565,19 +567,26 @@ def test_new_state_is_written_by_the_kernel_that_computes_it(monkeypatch):
     from tests.device.device_testing import new_context
 
     real_init, real_run = scheduler.Scheduler.__init__, graph.GraphLowering.run
+    real_elimination = scheduler.Scheduler.dead_node_elimination
 
-    def train_recording(written_in_place) -> tuple[int, int, list[float], dict]:
-        nodes, copies = [], []
+    def train_recording(written_in_place) -> tuple[int, int, int, list[float], dict]:
+        made, dead, copies = [], [], []
 
         def init(self, operations, *args, **kwargs):
-            nodes.append(len(operations))  # before fusion
+            made.append(len(operations))
             real_init(self, operations, *args, **kwargs)
+
+        def dead_node_elimination(self):
+            before = len(self.nodes)
+            real_elimination(self)
+            dead.append(before - len(self.nodes))
 
         def run(self, *args, **kwargs):
             copies.append(sum(n.target is torch.ops.aten.copy_.default for n in self.graph.nodes))
             return real_run(self, *args, **kwargs)
 
         monkeypatch.setattr(scheduler.Scheduler, "__init__", init)
+        monkeypatch.setattr(scheduler.Scheduler, "dead_node_elimination", dead_node_elimination)
         monkeypatch.setattr(graph.GraphLowering, "run", run)
         monkeypatch.setattr(executors, "new_state_written_in_place", written_in_place)
         context = new_context()
@@ -587,15 +596,16 @@ def test_new_state_is_written_by_the_kernel_that_computes_it(monkeypatch):
         losses = [compiled(batch)["loss"].item() for _ in range(3)]
         context.synchronize()
         state = {name: t.clone() for name, t in context.registered_tensors().items()}
-        return nodes[-1], copies[-1], losses, state
+        return made[-1], dead[0], copies[-1], losses, state
 
-    nodes, copies, losses, state = train_recording(state_writes.new_state_written_in_place)
-    nodes_by_inductor, _, losses_by_inductor, state_by_inductor = train_recording(
+    made, dead, copies, losses, state = train_recording(state_writes.new_state_written_in_place)
+    made_by_inductor, dead_by_inductor, _, losses_by_inductor, state_by_inductor = train_recording(
         contextlib.nullcontext
     )
     assert copies == len(state) == 21  # 6 weights, 12 MNCoreSGD states, BatchNorm's 3
+    assert dead == 0 < dead_by_inductor
     # all but the 6 momentum buffers, whose new value the weights' update reads as a buffer
-    assert nodes_by_inductor - nodes == copies - 6, (nodes, nodes_by_inductor)
+    assert (made_by_inductor - dead_by_inductor) - made == copies - 6
     assert losses == losses_by_inductor
     assert state.keys() == state_by_inductor.keys()
     for name, value in state.items():
