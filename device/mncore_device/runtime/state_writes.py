@@ -112,9 +112,7 @@ def _forget_unread_readers(name: str, copy: torch.fx.Node, values: dict) -> None
 
     def unread(reader: Any) -> bool:
         value, nodes = values.get(id(reader), (None, ()))
-        return value is reader and all(
-            user.op != "output" and user < copy for node in nodes for user in node.users
-        )
+        return value is reader and all(_read_only_before(copy, node) for node in nodes)
 
     readers = V.graph.name_to_users.get(name)
     if readers:
@@ -132,10 +130,7 @@ def _stored_in_place(src: Any, dst: Any, copy: torch.fx.Node) -> Any:
         not isinstance(copy.args[1], torch.fx.Node)
         or not isinstance(box, ir.StorageBox)
         or not isinstance(box.data, ir.Pointwise)  # not yet a buffer: nothing reads it as one
-        or any(
-            user is not copy and (user.op == "output" or not user < copy)
-            for user in copy.args[1].users
-        )
+        or not _read_only_before(copy, copy.args[1], but=copy)
     ):
         return None
     graph = V.graph
@@ -147,6 +142,11 @@ def _stored_in_place(src: Any, dst: Any, copy: torch.fx.Node) -> Any:
     box.realize()  # last: scheduled after them all
     if not isinstance(box.data.layout, ir.FlexibleLayout):
         return None
-    graph.mark_buffer_mutated(name)
-    box.data.layout = ir.MutationLayoutSHOULDREMOVE(dst)
+    box.data.layout = ir.MutationLayoutSHOULDREMOVE(dst)  # which marks `name` mutated
     return box.data
+
+
+def _read_only_before(copy: torch.fx.Node, node: torch.fx.Node, but: Any = None) -> bool:
+    """Whether every user of `node` (but `but`) is lowered before `copy`, and none is the
+    graph's output: nothing lowered from `copy` on reads `node`'s value."""
+    return all(user is but or (user.op != "output" and user < copy) for user in node.users)
