@@ -476,35 +476,40 @@ def test_a_cpp_wrapper_graphs_entry_and_kernels_compile_at_the_same_time(
     assert link[2] >= max(entry[3], kernels[3])
 
 
-def test_a_python_wrappers_kernels_compile_while_inductor_generates_the_rest(
-    context, monkeypatch, tmp_path
+def test_a_python_wrappers_kernels_build_a_few_to_a_library_while_inductor_generates_the_rest(
+    monkeypatch, tmp_path
 ):
-    """Inductor builds a Python wrapper's C++ kernels only when the finished wrapper module is
-    imported; the O1 executor hands each kernel to its build pool when it is generated, before
-    that import. The same libraries get built, each once, from the same sources. (Which thread builds a
-    kernel first, the pool's or Inductor's at the import, is a race of the two; the test
-    checks when each build was asked for, not who won.)"""
+    """Inductor builds each C++ kernel of a graph with the Python wrapper as a library of its
+    own (a compiler run each, mostly loading the precompiled header), and only when the
+    finished wrapper module is imported. The O1 executor defines them a few to a library and
+    hands each library to its build pool when it is defined, before that import: the same
+    kernels from the same sources, fewer libraries, each built once, the same results."""
     import contextlib
+    import functools
     import json
+    import math
     import threading
 
     from torch._inductor import config as inductor_config
     from torch._inductor import cpp_builder
+    from torch._inductor.async_compile import AsyncCompile
     from torch._inductor.codecache import CppPythonBindingsCodeCache, PyCodeCache
 
-    from mncore_device.runtime import executors, parallel_build
+    from mncore_device.runtime import executors, kernel_libraries
+    from tests.device.device_testing import new_context
 
     preset = json.loads(preset_path("O1").read_text())
     preset["cpp_wrapper_max_ops"] = 0  # the Python wrapper, whatever the graph's size
     preset["channels_last_where_faster"] = False  # no layout timing: the same code each time
     (tmp_path / "O1.json").write_text(json.dumps(preset))
-    step, batch = _registered_conv_step(context)
     real_build, real_load = cpp_builder.CppBuilder.build, PyCodeCache.load_by_key_path
-    real_pool = parallel_build.ThreadPoolExecutor
+    real_pool, real_library = kernel_libraries.ThreadPoolExecutor, kernel_libraries.kernel_library
+    real_pybinding = AsyncCompile.cpp_pybinding
 
-    def compile_recording(early_builds, cache: Path) -> tuple[list, list, list[str]]:
+    def compile_recording(libraries, cache: Path):
         builds: list[str] = []  # the libraries built
-        events: list[str] = []  # "asked" (a kernel handed to the pool), "import" (the module)
+        events: list[str] = []  # "asked" (a library handed to the pool), "import" (the module)
+        kernels: list[tuple] = []  # (argtypes, source) of each kernel the module defines
         lock = threading.Lock()
 
         def build(self):
@@ -521,33 +526,93 @@ def test_a_python_wrappers_kernels_compile_while_inductor_generates_the_rest(
                 events.append("asked")
                 return super().submit(*args, **kwargs)
 
+        def library(async_compile, listed):
+            kernels.extend((tuple(argtypes), source) for argtypes, source in listed)
+            return real_library(async_compile, listed)
+
+        def pybinding(self, argtypes, source):
+            kernels.append((tuple(argtypes), source))
+            return real_pybinding(self, argtypes, source)
+
         monkeypatch.setattr(cpp_builder.CppBuilder, "build", build)
         monkeypatch.setattr(PyCodeCache, "load_by_key_path", load_by_key_path)
-        monkeypatch.setattr(parallel_build, "ThreadPoolExecutor", RecordingPool)
+        monkeypatch.setattr(kernel_libraries, "ThreadPoolExecutor", RecordingPool)
+        monkeypatch.setattr(kernel_libraries, "kernel_library", library)
+        monkeypatch.setattr(AsyncCompile, "cpp_pybinding", pybinding)
         monkeypatch.setattr(CppPythonBindingsCodeCache, "cache", {})  # nothing built yet
-        monkeypatch.setattr(executors, "kernels_built_while_generating", early_builds)
+        monkeypatch.setattr(executors, "kernels_built_in_libraries", libraries)
         monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+        context = new_context()
+        step, batch = _registered_conv_step(context)  # the same weights each time
         with inductor_config.patch(force_disable_caches=True, compile_threads=2):
-            context.compile(step, batch, options={"option_json": tmp_path / "O1.json"})
-        kernels = sorted(p.name for p in cache.rglob("*.cpp"))  # named by a hash of their code
-        (wrapper,) = [p.read_text() for p in cache.rglob("*.py")]
-        return builds, events, [*kernels, wrapper.split("\n", 1)[1]]  # less "# AOT ID: [n]"
+            compiled = context.compile(step, batch, options={"option_json": tmp_path / "O1.json"})
+        return builds, events, sorted(kernels), compiled(batch)
 
     # Inductor's one-time probes of the CPU go into the first compile's cache only
     compile_recording(contextlib.nullcontext, tmp_path / "first")
-    builds, events, sources = compile_recording(
-        parallel_build.kernels_built_while_generating, tmp_path / "early"
-    )
-    by_inductor, inductors_events, inductors_sources = compile_recording(
+    two_each = functools.partial(kernel_libraries.kernels_built_in_libraries, per_library=2)
+    builds, events, kernels, results = compile_recording(two_each, tmp_path / "libraries")
+    by_inductor, inductors_events, inductors_kernels, inductors_results = compile_recording(
         contextlib.nullcontext, tmp_path / "inductor"
     )
-    assert len(sources) > 1 and sources == inductors_sources
-    kernels = len(sources) - 1
-    assert kernels >= 2 and sorted(builds) == sorted(by_inductor), (builds, by_inductor)
-    assert len(set(builds)) == len(builds), builds  # each library once
-    # every kernel was handed to the pool before the module's import, and only then
-    assert events[:kernels] == ["asked"] * kernels and "import" in events[kernels:], events
-    assert "asked" not in inductors_events, inductors_events
+    assert len(kernels) >= 3 and kernels == inductors_kernels  # a library not full, too
+    assert len(by_inductor) == len(kernels), by_inductor  # Inductor: a library per kernel
+    libraries = math.ceil(len(kernels) / 2)
+    assert len(builds) == len(set(builds)) == libraries, builds  # each library once
+    # every full library was handed to the pool before the module's import
+    assert events[: len(kernels) // 2] == ["asked"] * (len(kernels) // 2), events
+    assert "import" in events and "asked" not in inductors_events, inductors_events
+    for name, value in results.items():
+        assert torch.equal(value, inductors_results[name]), name
+
+
+def test_a_kernel_library_that_does_not_build_builds_its_kernels_one_by_one(monkeypatch, tmp_path):
+    """Kernels that cannot share a library (here each defines the same C function) are
+    built one to a library, as Inductor builds them, and each still does what its own source
+    says; kernels that can share one do, and run as their sources say."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor import cpp_builder
+    from torch._inductor.async_compile import AsyncCompile
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    from mncore_device.runtime.kernel_libraries import kernel_library
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(CppPythonBindingsCodeCache, "cache", {})
+    built: list[str] = []
+    real_build = cpp_builder.CppBuilder.build
+
+    def build(self):
+        built.append(Path(self.get_target_file_path()).name)
+        return real_build(self)
+
+    monkeypatch.setattr(cpp_builder.CppBuilder, "build", build)
+
+    def kernel(add: float, shared: str = "") -> tuple[list[str], str]:
+        source = f"""#include <torch/csrc/inductor/cpp_prefix.h>
+{shared}
+extern "C" void kernel(const float* in_ptr0, float* out_ptr0)
+{{
+    for (int64_t i = 0; i < 4; i++) out_ptr0[i] = in_ptr0[i] + {add}f;
+}}
+"""
+        return ["const float*", "float*"], source
+
+    clash = 'extern "C" int mncore_test_clash() { return 0; }'
+    x = torch.arange(4.0)
+    with inductor_config.patch(compile_threads=1):
+        for kernels, libraries in (
+            ([kernel(1.0), kernel(2.0), kernel(3.0)], 1),
+            ([kernel(4.0, clash), kernel(5.0, clash)], 3),  # the library, then each kernel
+        ):
+            built.clear()
+            functions = kernel_library(AsyncCompile(), kernels)
+            assert len(built) == libraries, built
+            for function, (_, source) in zip(functions, kernels, strict=True):
+                out = torch.empty(4)
+                function(x, out)
+                add = float(source.split("in_ptr0[i] + ")[1].split("f;")[0])
+                assert torch.equal(out, x + add), (out, add)
 
 
 def test_new_state_is_written_by_the_kernel_that_computes_it(monkeypatch):

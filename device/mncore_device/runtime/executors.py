@@ -26,8 +26,9 @@ from .convolution_layout import channels_last_is_faster, convolutions_of
 from .convolution_rewrites import channels_last_weights, is_call, rewritten_convolutions
 from .fusion_search import scalar_inputs_pair_equal_sizes
 from .inductor_keys import apply_remembered_source_keys
+from .kernel_libraries import kernels_built_in_libraries
 from .opaque_ops import make_opaque
-from .parallel_build import entry_and_kernels_built_together, kernels_built_while_generating
+from .parallel_build import entry_and_kernels_built_together
 from .state_writes import new_state_written_in_place
 from .tracing import _is_view_of
 
@@ -300,7 +301,7 @@ def _compile_with_inductor(
         scalar_inputs_pair_equal_sizes(),
         codegen_work_remembered(),
         new_state_written_in_place(),
-        kernels_built_while_generating(),
+        kernels_built_in_libraries(),
         entry_and_kernels_built_together()
         if options.get("cpp_wrapper")
         else contextlib.nullcontext(),
