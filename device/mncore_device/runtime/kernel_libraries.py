@@ -164,10 +164,12 @@ def kernels_built_in_libraries(per_library: int = 8) -> Iterator[None]:
         from torch._inductor.async_compile import get_compile_threads
         from torch._inductor.codecache import CppPythonBindingsCodeCache
         from torch._inductor.codegen.wrapper import PythonWrapperCodegen
-    except ImportError:
-        yield
-        return
-    if not hasattr(CppPythonBindingsCodeCache, "suffix_template"):  # another torch
+
+        probe = [(["float*"], 'extern "C" void kernel(float* out) {}')]
+        bound = _ENTRY_BINDING.format(entry_func="kernel_0") in library_source(probe)
+    except (ImportError, AttributeError, KeyError, IndexError):
+        bound = False
+    if not bound:  # another torch: its own builds
         yield
         return
 
