@@ -23,6 +23,7 @@ from mncore_device import (
     CacheOptions,
     CodegenDirError,
     InputSpecError,
+    preset_path,
     storage,
 )
 from tests.device.device_testing import (
@@ -145,16 +146,24 @@ def test_training_step_round_trip_through_a_codegen_dir(context, tmp_path):
     assert out["model"]["3.bias"].ne(bn_model().state_dict()["3.bias"]).any()
 
 
-def test_a_trusted_load_runs_the_compiled_training_step_itself(context, tmp_path):
+@pytest.mark.parametrize("cpp_wrapper_max_ops", [1000, 0], ids=["cpp_wrapper", "python_wrapper"])
+def test_a_trusted_load_runs_the_compiled_training_step_itself(
+    context, tmp_path, cpp_wrapper_max_ops
+):
     """An O1 training step with BatchNorm and SGD momentum, loaded trusted by a fresh process
     with an empty Inductor cache: the dir's compiled graph runs directly (Inductor's compiler
-    is never imported) and trains exactly as the compiled step did, bit for bit."""
+    is never imported, so no kernel library is missing) and trains exactly as the compiled
+    step did, bit for bit; with either of Inductor's wrappers (the Python one's kernels are
+    built a few to a library)."""
     model, optimizer, step, batches = _bn_training_step(context, tmp_path, 3)
+    preset = json.loads(preset_path("O1").read_text())
+    preset["cpp_wrapper_max_ops"] = cpp_wrapper_max_ops
+    (tmp_path / "O1.json").write_text(json.dumps(preset))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # Inductor's CPU code is specialized to it: as the load's process
     try:
         codegen = storage.path(tmp_path / "codegen")
-        compiled = context.compile(step, batches[0], codegen, {"option_json": "O1"})
+        compiled = context.compile(step, batches[0], codegen, {"option_json": tmp_path / "O1.json"})
         losses = device_train(compiled, batches)
     finally:
         torch.set_num_threads(threads)
