@@ -6,7 +6,9 @@ when the finished wrapper module is imported, after the code generation of the w
 Most of each run is not the kernel: loading the precompiled header and linking took 0.35 s
 of the 0.46 s of a MobileNet v2 kernel's build (g++, -O3, this machine), whatever the kernel.
 Measured on the 68 kernels of MobileNet v2's step (batch 32, O1), two compilers at a time:
-38.5 s of compiler time one library each, 9.9 s eight to a library, 4.8 s all in one.
+38.5 s of compiler time one library each, 9.9 s eight to a library, 4.8 s all in one. Eight
+to a library, its cold compile (1 thread) took 35.4 and 32.4 s against 43.8 and 44.3 s, and
+ResNet-50's 38.5 and 38.0 s against 50.9 and 53.0; sixteen was no faster on DenseNet-121.
 
 Within `kernels_built_in_libraries()`:
 - the wrapper defines its kernels `per_library` to a library: one statement of the module
