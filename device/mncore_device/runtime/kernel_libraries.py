@@ -46,23 +46,6 @@ Kernel = tuple[list[str], str]  # (argument types, source), as in `cpp_pybinding
 _PYBINDING_CALL = "async_compile.cpp_pybinding("
 _ENTRY = re.compile(r'extern "C"\s+void\s+kernel\(')
 _ENTRY_BINDING = '{{"{entry_func}", {entry_func}_py, METH_VARARGS, ""}},'
-_BINDING = """
-static PyObject* {name}_py(PyObject* self, PyObject* args) {{
-    try {{
-        if(!PyTuple_CheckExact(args)) [[unlikely]]
-            throw std::runtime_error("tuple args required");
-        if(PyTuple_GET_SIZE(args) != {arg_len}) [[unlikely]]
-            throw std::runtime_error("requires {arg_len} args");
-        {namespace}::{call}
-    }} catch(std::exception const& e) {{
-        PyErr_SetString(PyExc_RuntimeError, e.what());
-        return nullptr;
-    }} catch(...) {{
-        PyErr_SetString(PyExc_RuntimeError, "unhandled error");
-        return nullptr;
-    }}
-}}
-"""
 
 
 def kernel_library(async_compile: Any, kernels: Sequence[Kernel]) -> list[Any]:
@@ -102,14 +85,15 @@ def library_source(kernels: Sequence[Kernel]) -> str:
         parse = ", ".join(
             f"parse_arg<{t.replace('const ', '')}>(args, {n})" for n, t in enumerate(argtypes)
         )
-        calls.append(
-            _BINDING.format(
-                name=f"kernel_{i}",
-                arg_len=len(argtypes),
-                namespace=f"mncore_kernel_{i}",
-                call=bindings.call_entry_function.format(parse),
-            )
+        # Inductor's own binding function for this kernel, cut from its bindings' template
+        binding = bindings.suffix_template.format(
+            arg_len=len(argtypes),
+            call_entry_func=f"mncore_kernel_{i}::" + bindings.call_entry_function.format(parse),
+            entry_func=f"kernel_{i}",
+            extra_parse_arg="",
         )
+        start = binding.index(f"static PyObject* kernel_{i}_py(")
+        calls.append(binding[start : binding.index("static PyMethodDef", start)])
     suffix = bindings.suffix_template.format(
         arg_len=0,
         call_entry_func="Py_RETURN_NONE;",
@@ -169,7 +153,7 @@ def kernels_built_in_libraries(per_library: int = 8) -> Iterator[None]:
 
         probe = [(["float*"], 'extern "C" void kernel(float* out) {}')]
         bound = _ENTRY_BINDING.format(entry_func="kernel_0") in library_source(probe)
-    except (ImportError, AttributeError, KeyError, IndexError):
+    except (ImportError, AttributeError, KeyError, IndexError, ValueError):
         bound = False
     if not bound:  # another torch: its own builds
         yield
