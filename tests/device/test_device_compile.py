@@ -315,7 +315,7 @@ def test_inductor_presets_give_small_graphs_the_cpp_wrapper(
         inductor, "compile_fx", lambda gm, args, config_patches: patches.append(config_patches)
     )
     preset = json.loads(preset_path("O1").read_text())
-    assert preset["cpp_wrapper_max_ops"] == 1000 and "cpp_wrapper" not in preset["inductor_options"]
+    assert preset["cpp_wrapper_max_ops"] == 4000 and "cpp_wrapper" not in preset["inductor_options"]
     preset["cpp_wrapper_max_ops"] = limit
     (tmp_path / "preset.json").write_text(json.dumps(preset))
 
