@@ -233,3 +233,28 @@ def test_an_int_input_follows_its_value_across_the_frontends_number_tensors():
     assert len(reasons) <= 1, reasons  # at most once, when the int becomes an input
     kinds = [spec.kind for spec in frontend.graphs[-1].inputs]
     assert InputKind.NUMBER in kinds
+
+
+def test_a_frontends_dynamic_sources_apply_to_its_own_captures_only():
+    """`dynamic_sources` (a Lightning step's counters and batch size) make the matching ints
+    and batch dimensions graph inputs in that frontend's captures, and in no other capture of
+    the process: an MLSDK-style step compiled after it has the static shapes it would have in
+    a fresh process (its saved codegen directory loads there)."""
+    module = nn.Linear(4, 2)
+    context = _context(module)
+    first_dim = r".*\['args'\]\[0\].*:0"
+    with_sources = _frontend(module, context, dynamic_sources=(first_dim,))
+    without = _frontend(module.forward, context)
+    x = torch.randn(3, 4)
+    assert torch.equal(with_sources(x), module(x))
+    assert torch.equal(without(x), module(x))
+
+    def numbers(frontend):  # the graph's int inputs: here, a symbolic batch dimension
+        return [i.source for i in frontend.graphs[-1].inputs if i.kind is InputKind.NUMBER]
+
+    assert numbers(with_sources) and not numbers(without)
+    assert first_dim not in torch.compiler.config.dynamic_sources
+
+    compiled = context.compile(lambda batch: {"y": module(batch["x"])}, {"x": x})
+    assert not [k for k in compiled.functions[0].input_specs if k.startswith("mncore_read")]
+    assert torch.equal(compiled({"x": x})["y"], module(x))

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch._dynamo.variables.builder import _parse_source_entry
 
 from .._source import user_frame
 from ..errors import StaticGraphError
@@ -66,16 +67,12 @@ _DYNAMO_CONFIG = {
 }
 
 
-def _configure_dynamo(dynamic_sources: Sequence[str]) -> None:
-    """Set _DYNAMO_CONFIG, and add `dynamic_sources` to torch.compiler's (once each)."""
+def _configure_dynamo() -> None:
+    """Set _DYNAMO_CONFIG (once)."""
     _substitutions_reinstated()
     for key, value in _DYNAMO_CONFIG.items():
         if getattr(torch._dynamo.config, key) != value:
             setattr(torch._dynamo.config, key, value)
-    present = [s for s in torch.compiler.config.dynamic_sources.split(",") if s]
-    missing = [s for s in dynamic_sources if s not in present]
-    if missing:
-        torch.compiler.config.dynamic_sources = ",".join(present + missing)
 
 
 NumberOrTensor = torch.Tensor | int | float | bool
@@ -474,7 +471,8 @@ class DynamoFrontend:
     again (what the step reads may still be changed for that trace).
     dynamic_sources: regular expressions of the sources (as Dynamo names them) of ints that
     change from call to call (step counters): graph inputs from the first capture on, rather
-    than after a re-compile (torch.compiler.config.dynamic_sources).
+    than after a re-compile (the syntax of torch.compiler.config.dynamic_sources; in this
+    frontend's captures only).
     """
 
     def __init__(
@@ -491,7 +489,9 @@ class DynamoFrontend:
     ) -> None:
         self._compile_graph = compile_graph
         self._on_guard_failure = on_guard_failure
-        _configure_dynamo(dynamic_sources)
+        _configure_dynamo()
+        # as Dynamo's config holds them (pattern, dimension or None): see _dynamic_sources
+        self.dynamic_sources = [_parse_source_entry(s) for s in dynamic_sources]
         self._is_state = is_state
         self._on_retrace = on_retrace or (lambda reason: None)
         self._failed_guard: str | None = None
@@ -528,7 +528,7 @@ class DynamoFrontend:
         )(frame)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        _RECORDING.append(self.breaks)  # where the graph breaks Dynamo logs now go
+        _CALLING.append(self)  # whose breaks and dynamic sources Dynamo's capture sees now
         try:
             try:
                 return self._compiled(*args, **kwargs)
@@ -553,7 +553,7 @@ class DynamoFrontend:
                     + f": {error}"
                 ) from None
         finally:
-            _RECORDING.pop()
+            _CALLING.pop()
 
     @property
     def device_calls(self) -> int:
@@ -611,8 +611,8 @@ class DynamoFrontend:
         self._on_retrace(reason)
 
 
-# the break lists of the frontends being called, innermost last (see _graph_breaks_noted)
-_RECORDING: list[list[GraphBreak]] = []
+# the frontends being called, innermost last (see _graph_breaks_noted, _dynamic_sources)
+_CALLING: list[DynamoFrontend] = []
 
 
 def _graph_breaks_noted() -> None:
@@ -626,14 +626,14 @@ def _graph_breaks_noted() -> None:
         return
 
     def noting(translator: Any, code_options: Any, reason: str, exc: Any) -> None:
-        if _RECORDING and not getattr(exc, "logged", False):
+        if _CALLING and not getattr(exc, "logged", False):
             stack = list(getattr(exc, "real_stack", None) or [])
             where = user_frame(stack) or (
                 f"{stack[-1].filename}:{stack[-1].lineno}" if stack else "?"
             )
             found = GraphBreak(_break_reason(reason, exc), where, "".join(format_list(stack)))
-            if found not in _RECORDING[-1]:
-                _RECORDING[-1].append(found)
+            if found not in _CALLING[-1].breaks:
+                _CALLING[-1].breaks.append(found)
         return log(translator, code_options, reason, exc)
 
     noting.notes_breaks = True
@@ -641,6 +641,32 @@ def _graph_breaks_noted() -> None:
 
 
 _graph_breaks_noted()
+
+
+def _dynamic_sources() -> None:
+    """A frontend's `dynamic_sources` hold in the captures Dynamo makes while it is called,
+    and in no other. Added to torch.compiler.config's for the whole process, a Lightning
+    step's made the batch dimension of every later capture symbolic: an MLSDK-style step
+    compiled after a fit took an extra input, and its saved codegen directory then failed to
+    load in a fresh process. Dynamo reads the config's patterns through one function, at
+    captures only; it returns the innermost frontend's too. Installed once (Dynamo's
+    callbacks around each compile would be lost at torch._dynamo.reset())."""
+    from torch._dynamo.variables import builder
+
+    configured = builder.get_dynamic_sources
+    if getattr(configured, "adds_the_frontends", False):
+        return
+
+    def get_dynamic_sources() -> list[tuple[str, int | None]]:
+        if _CALLING and _CALLING[-1].dynamic_sources:
+            return configured() + _CALLING[-1].dynamic_sources
+        return configured()
+
+    get_dynamic_sources.adds_the_frontends = True
+    builder.get_dynamic_sources = get_dynamic_sources
+
+
+_dynamic_sources()
 
 
 def _weakly(function: Callable[..., Any]) -> Callable[..., Any]:
