@@ -32,6 +32,7 @@ from .runtime.artifacts import CacheOptions
 from .runtime.compiled import CompiledFunction, DeviceSlot, TensorProxy
 from .runtime.executors import CompiledCode, build_executor
 from .runtime.specs import TensorSpec
+from .runtime.state_layout import laid_out_as_traced
 from .runtime.tracing import StateKind, TracedStep, trace_step
 
 
@@ -238,6 +239,7 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
                     compiled_code.cache_dir if compiled_code is not None else None,
                     compiled_code.files() if compiled_code is not None else [],
                     compiled_code.runnable_entry() if compiled_code is not None else None,
+                    compiled_code.channels_last if compiled_code is not None else (),
                 )
         return compiled
 
@@ -264,6 +266,7 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
                 if names is not None:
                     compiled_code.install(directory / artifacts.COMPILED_DIR, names)
                     compiled_code.entry = artifacts.compiled_entry(specs, names)
+                    compiled_code.channels_last = tuple(specs["compiled"].get("channels_last", ()))
                 name = _function_name(None, path)
                 return self._finish(
                     traced,
@@ -348,7 +351,10 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
         compiled_code: CompiledCode | None = None,
     ) -> CompiledFunction:
         device = self.device.torch_device
-        example_args = [slot.value for slot in slots] + [
+        example_args = [
+            laid_out_as_traced(slot.value, binding.tensor)
+            for binding, slot in zip(traced.state, slots, strict=True)
+        ] + [
             torch.zeros(spec.shape, dtype=spec.dtype, device=device)
             for spec in traced.input_specs.values()
         ]
@@ -367,6 +373,7 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
             compile_threads,
             traced.mutated_state,
             compiled_code,
+            state_inputs=len(slots),
         )
         if cache_options is not None:
             artifacts.cache_record(cache_options, key)

@@ -29,10 +29,10 @@ class Preset:
     # Larger graphs keep the Python wrapper, whose kernels compile in parallel (that one
     # library is a single, serial compiler run). None: as inductor_options say.
     cpp_wrapper_max_ops: int | None = None
-    # Turn Inductor's layout optimization (convolutions in channels_last) on for a graph
-    # whose convolutions, timed at compile time on this machine (forward, backward and the
-    # copies of the weights and their gradients that channels_last costs each step, device
-    # state being stored contiguous), ran faster in channels_last: see convolution_layout.
+    # Turn Inductor's layout optimization (convolutions in channels_last, and their weights
+    # held so on the device: see state_layout) on for a graph whose convolutions, timed at
+    # compile time on this machine (forward and backward), ran faster in channels_last: see
+    # convolution_layout.
     channels_last_where_faster: bool = False
     # A convolution on feature maps of at most this many pixels (a network's last stages on
     # small images) runs as matrix multiplications: a 1x1 kernel over the pixels as rows, a

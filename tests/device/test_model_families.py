@@ -293,8 +293,8 @@ def test_a_layout_decision_is_timed_once_per_set_of_convolutions(layout_decision
 def test_the_timing_runs_each_convolution_in_both_layouts(layout_decisions, monkeypatch):
     """What the timing measures (not which layout wins: that is this machine's, and timed
     assertions are flaky): each convolution, forward and backward, once untimed and then
-    timed, with its input and its output's gradient in the stored layout and in
-    channels_last, and the weight given channels_last strides as Inductor's copy would."""
+    timed, with its input, its weight and its output's gradient in the stored layout and in
+    channels_last (the weight as the device holds it for a graph in that layout)."""
     from mncore_device.runtime.convolution_layout import Convolution
 
     seen = collections.Counter()

@@ -31,6 +31,7 @@ import os
 import shutil
 import tempfile
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,13 +144,15 @@ def save(
     compiled_from: Path | None = None,
     compiled_files: list[str] = (),
     compiled_entry: str | None = None,
+    channels_last: Sequence[int] = (),
 ) -> None:
     """Write a codegen directory: all of it, or (if interrupted) nothing.
 
     compiled_from / compiled_files: Inductor's cache files for this step (its compiled host
     code), copied into `compiled/` with their sha256 in specs.json["compiled"].
     compiled_entry: the one of them a trusted load runs directly, if any
-    (`CompiledCode.runnable_entry`)."""
+    (`CompiledCode.runnable_entry`); channels_last: the state inputs it takes laid out
+    channels_last (`StateLayout`)."""
     specs = dict(prepared.specs)
     path = path.absolute()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -171,6 +174,7 @@ def save(
                 # Inductor's CPU kernels are built for the compile's thread count
                 specs["compiled"]["entry"] = compiled_entry
                 specs["compiled"]["entry_threads"] = torch.get_num_threads()
+                specs["compiled"]["channels_last"] = list(channels_last)
         (staging / SPECS_FILE).write_text(json.dumps(specs, indent=1))
         _replace_dir(staging, path)
     except BaseException:

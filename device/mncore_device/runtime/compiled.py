@@ -99,6 +99,9 @@ class CompiledFunction:
         self.signature = signature
         self._executor = executor
         self._state = list(state)
+        # the strides its executor needs of each 4-D state input (StateLayout): a slot that
+        # another function's graph laid out otherwise is laid out again, in device memory
+        self._state_strides = sorted(getattr(executor, "state_strides", {}).items())
         self._mutated = list(mutated)
         self._constants = [
             s for s in self._state if s.state_kind is StateKind.CONSTANT and s.host is not None
@@ -172,7 +175,14 @@ class CompiledFunction:
         check_input_keys(inputs, self.input_specs)
         for slot in self._constants:
             slot.refresh_from_host()
-        args = [slot.value for slot in self._state]
+        state = self._state
+        for i, strides in self._state_strides:
+            value = state[i].value
+            if value.stride() != strides:
+                state[i].value = torch.empty_strided(
+                    value.shape, strides, dtype=value.dtype, device=value.device
+                ).copy_(value)
+        args = [slot.value for slot in state]
         device = self.device
         for key, spec in self._input_items:
             value = inputs[key]

@@ -1,18 +1,18 @@
 """Whether a step's convolutions run faster in channels_last on this machine: timed, not
 guessed from their shapes.
 
-Device state is stored contiguous (NCHW), and Inductor's channels_last layout optimization
-copies each convolution weight to channels_last and its gradient back, every step. Which
-layout wins depends on the convolutions' shapes in ways no simple rule separated (torch
-2.14.1, oneDNN, 1 thread, batch 32, 32x32 images, whole O1 steps):
+Under Inductor's channels_last layout optimization, a graph's convolutions run in
+channels_last, and the device holds their weights (and those weights' optimizer state) so
+(`state_layout`). Which layout wins depends on the convolutions' shapes in ways no simple
+rule separated (torch 2.14.1, oneDNN, 1 thread, batch 32, 32x32 images, whole O1 steps, when
+channels_last still cost a copy of each weight and of its gradient a step):
 - faster in channels_last: MobileNet v2 1.30x, SqueezeNet 1.1 1.32x, RegNetY-400MF 1.12x,
   DenseNet-121 1.06x;
 - slower: ResNet-18 0.57x, ResNet-50 0.84x.
 Neither depthwise convolutions (RegNet's are grouped 8 channels per group, DenseNet's and
 SqueezeNet's are dense) nor 1x1 kernels (half of ResNet-50's) tell them apart. The sum of the
-graph's convolutions timed one by one (forward, backward, weight copies) picked the faster
-layout on each of those models and on the other depthwise ones (MobileNet v3 small,
-EfficientNet-B0, ConvNeXt-tiny).
+graph's convolutions timed one by one (forward and backward, each weight in the layout
+timed) picks the faster layout.
 
 A decision is kept per set of convolutions, thread count and device, in this process and in
 Inductor's cache directory: a warm compile does not time again."""
@@ -35,6 +35,10 @@ from torch import fx
 aten = torch.ops.aten
 FILE_NAME = "mncore_convolution_layouts.json"  # in Inductor's cache directory
 _DECIDED: dict[str, bool] = {}  # this process's decisions, by key
+# part of a decision's key: decisions timed otherwise (with a copy of each weight to
+# channels_last and of its gradient back, as when state was always stored contiguous) are
+# not reused
+_WHAT_IS_TIMED = "weights stored in their graph's layout"
 
 
 @dataclass(frozen=True)
@@ -118,9 +122,8 @@ def channels_last_is_faster(
     device: torch.device,
     cache_dir: Path | None = None,
 ) -> bool:
-    """Whether `convolutions` (forward and backward, with the copies of the weight and its
-    gradient that channels_last costs) took less time in channels_last than in the stored
-    layout, timed here. Decided once per set of convolutions, thread count and device."""
+    """Whether `convolutions` (forward and backward, each weight stored in the layout timed:
+    see StateLayout) took less time in channels_last than in NCHW, timed here. Decided once per set of convolutions, thread count and device."""
     if not convolutions:
         return False
     key = _key(convolutions, device)
@@ -169,7 +172,9 @@ def _runs(
         y = aten.convolution(x, w, None, conv.stride, conv.padding, conv.dilation, False,
                              [0, 0], conv.groups)  # fmt: skip
         grad = torch.randn(y.shape, generator=generator, device=device, dtype=dtype)
-        cases.append((conv, count, x.contiguous(memory_format=layout), w,
+        # the weight as the device stores it for a graph in this layout (StateLayout)
+        cases.append((conv, count, x.contiguous(memory_format=layout),
+                      w.contiguous(memory_format=layout),
                       grad.contiguous(memory_format=layout)))  # fmt: skip
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
@@ -178,14 +183,12 @@ def _runs(
         for conv, count, x, w, grad in cases:
             synchronize()
             start = time.perf_counter()
-            weight = w.contiguous(memory_format=layout)  # channels_last: Inductor's copy
-            aten.convolution(x, weight, None, conv.stride, conv.padding, conv.dilation,
+            aten.convolution(x, w, None, conv.stride, conv.padding, conv.dilation,
                              False, [0, 0], conv.groups)  # fmt: skip
-            grads = aten.convolution_backward(
-                grad, x, weight, None, conv.stride, conv.padding, conv.dilation, False,
+            aten.convolution_backward(
+                grad, x, w, None, conv.stride, conv.padding, conv.dilation, False,
                 [0, 0], conv.groups, [conv.input_gradient, True, False],
             )  # fmt: skip
-            grads[1].contiguous()  # the weight's gradient, back in the stored layout
             synchronize()
             total += count * (time.perf_counter() - start)
         return total
@@ -196,7 +199,8 @@ def _runs(
 def _key(convolutions: collections.Counter[Convolution], device: torch.device) -> str:
     described = sorted((astuple(conv), count) for conv, count in convolutions.items())
     text = json.dumps(
-        [described, device.type, torch.get_num_threads(), torch.__version__], default=str
+        [described, device.type, torch.get_num_threads(), torch.__version__, _WHAT_IS_TIMED],
+        default=str,
     )
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 

@@ -29,6 +29,7 @@ from .inductor_keys import apply_remembered_source_keys
 from .kernel_libraries import kernels_built_in_libraries
 from .opaque_ops import make_opaque
 from .parallel_build import entry_and_kernels_built_together
+from .state_layout import StateLayout, for_any_strides, reads_strides
 from .state_writes import new_state_written_in_place
 from .tracing import _is_view_of
 
@@ -46,6 +47,7 @@ def build_executor(
     compile_threads: int | None = None,
     mutated_inputs: Sequence[int] = (),
     compiled_code: CompiledCode | None = None,
+    state_inputs: int = 0,
 ) -> Executor:
     """Make `gm` runnable on `device` under `preset` (compiling now, not on the first call).
 
@@ -53,7 +55,11 @@ def build_executor(
     compiled_code: Inductor compiles with this cache directory of its own (see CompiledCode).
     mutated_inputs: the graph's last outputs are the new values of these inputs (state), in
     this order. The executor returns them as the graph does; Inductor writes them into the
-    inputs' own memory and returns those inputs (see `_updating_state_in_place`)."""
+    inputs' own memory and returns those inputs (see `_updating_state_in_place`).
+    state_inputs: how many of the first inputs are device state. A graph Inductor compiles in
+    channels_last (`convolution_layout`) takes its 4-D state (convolution weights and their
+    optimizer state) laid out so; an Inductor executor's `state_strides` are the strides it
+    needs of each 4-D state input (see `CompiledFunction`)."""
     _retarget_devices(gm, device)
     make_opaque(gm)
     if preset.executor == "interpreter":
@@ -64,10 +70,11 @@ def build_executor(
         cache_dir = compiled_code.cache_dir
         if compiled_code.entry is not None:
             try:
+                layout = StateLayout.of(example_args, state_inputs, compiled_code.channels_last)
                 run = _load_compiled_entry(
-                    gm, preset, example_args, compiled_code, compile_threads, mutated_inputs
+                    gm, preset, layout.args, compiled_code, compile_threads, mutated_inputs
                 )
-                return _FirstCallChecked(run, gm, preset, list(mutated_inputs))
+                return _FirstCallChecked(run, gm, preset, list(mutated_inputs), layout.strides)
             except Exception:  # noqa: BLE001 (Inductor's own load below finds the same code)
                 pass
     noting = (
@@ -75,13 +82,16 @@ def build_executor(
     )
     try:
         with noting:
-            run = _compile_with_inductor(
-                gm, preset, example_args, cache_dir, compile_threads, list(mutated_inputs)
-            )
+            run, layout = _compile_with_inductor(
+                gm, preset, example_args, cache_dir, compile_threads, list(mutated_inputs),
+                state_inputs,
+            )  # fmt: skip
     except Exception as error:  # noqa: BLE001 (any failure of Inductor's: the graph still runs)
         _note_fallback(preset, "compile", error)
         return _interpreted(gm)
-    return _FirstCallChecked(run, gm, preset, list(mutated_inputs))
+    if compiled_code is not None:  # what a trusted load of its entry lays out again
+        compiled_code.channels_last = layout.channels_last
+    return _FirstCallChecked(run, gm, preset, list(mutated_inputs), layout.strides)
 
 
 def _interpreted(gm: fx.GraphModule) -> Executor:
@@ -110,12 +120,18 @@ class _FirstCallChecked:
     """
 
     def __init__(
-        self, run: Executor, gm: fx.GraphModule, preset: Preset, mutated: list[int]
+        self,
+        run: Executor,
+        gm: fx.GraphModule,
+        preset: Preset,
+        mutated: list[int],
+        state_strides: dict[int, tuple[int, ...]],
     ) -> None:
         self._run: Executor | None = run
         self._gm = gm
         self._preset = preset
         self._mutated = mutated
+        self.state_strides = state_strides  # see StateLayout
 
     def __call__(self, args: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
         run = self._run
@@ -171,6 +187,7 @@ class CompiledCode:
             _copy_whole(remembered, inductor / FILE_NAME)  # another rank may be reading it
 
     entry: str | None = None  # set by a trusted load: see `runnable_entry`
+    channels_last: tuple[int, ...] = ()  # the compiled graph's: see StateLayout
     _output_code: str | None = None  # Inductor's key of the compiled graph's Python module
 
     @contextlib.contextmanager
@@ -284,14 +301,22 @@ def _compile_with_inductor(
     cache_dir,
     compile_threads: int | None = None,
     mutated_inputs: list[int] | None = None,
-) -> Executor:
+    state_inputs: int = 0,
+) -> tuple[Executor, StateLayout]:
     from torch._inductor.compile_fx import compile_fx
 
     with _inductor_cache_dir(cache_dir):  # where the layout's timing keeps its decision
         options = _inductor_options(gm, preset, example_args, compile_threads)
+    channels_last = ()
+    if options.get("layout_optimization") and not reads_strides(gm):
+        channels_last = range(state_inputs)
+    layout = StateLayout.of(example_args, state_inputs, channels_last)
+    example_args = layout.args
     _scale_before_adding(gm)
     mutated = mutated_inputs or []
     in_place = _updating_state_in_place(gm, mutated) if mutated else gm
+    if layout.restrided:
+        in_place = for_any_strides(in_place)
     in_place = rewritten_convolutions(in_place, example_args, preset.matmul_max_pixels)
     if options.get("layout_optimization"):
         in_place = channels_last_weights(in_place, example_args)
@@ -309,13 +334,13 @@ def _compile_with_inductor(
         apply_remembered_source_keys()
         compiled = compile_fx(in_place, fake_args, config_patches=options)
     if not mutated:
-        return lambda args: compiled(*args)
+        return (lambda args: compiled(*args)), layout
 
     def run(args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         outputs = compiled(*args)
         return [*outputs, *(args[i] for i in mutated)]
 
-    return run
+    return run, layout
 
 
 def _load_compiled_entry(

@@ -1,0 +1,106 @@
+"""Device state laid out as each compiled graph needs it.
+
+A graph whose convolutions Inductor compiles in channels_last (`convolution_layout`) takes
+their weights, and those weights' optimizer state, laid out channels_last in device memory,
+instead of copying each weight to channels_last and its gradient back at every step.
+Measured (DenseNet-121, batch 32, 1 thread, O1, two runs on a noisy machine): 1.34x and
+1.32x torch.compile instead of 1.13x and 1.23x.
+
+A graph is traced with the state laid out as on the host. Its values do not depend on the
+strides of its inputs, except through an op that reads them (`as_strided`: such a graph
+keeps the host's layout) and a `view`, which is refused where the strides do not allow it
+(made a `reshape`, the same values). Its outputs come out contiguous, as the host's layout
+gives them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection, Sequence
+
+import torch
+from torch import fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
+
+aten = torch.ops.aten
+_READS_STRIDES = {
+    aten.as_strided.default,
+    aten.as_strided_.default,
+    aten.as_strided_scatter.default,
+    aten.as_strided_copy.default,
+    aten._reshape_alias.default,
+}
+_VIEWS = {aten.view.default, aten._unsafe_view.default}
+
+
+@dataclasses.dataclass(frozen=True)
+class StateLayout:
+    """How a graph compiled by Inductor takes its 4-D state inputs.
+
+    args: the example inputs, laid out so; channels_last: the state inputs laid out
+    channels_last; strides: the strides the compiled graph needs of each 4-D state input
+    (`CompiledFunction` lays a slot out again where another graph left it otherwise);
+    restrided: whether any state input is laid out otherwise than traced."""
+
+    args: list[torch.Tensor]
+    channels_last: tuple[int, ...]
+    strides: dict[int, tuple[int, ...]]
+    restrided: bool
+
+    @classmethod
+    def of(
+        cls, example_args: Sequence[torch.Tensor], state_inputs: int, channels_last: Collection[int]
+    ) -> StateLayout:
+        """example_args: the state (laid out as traced), then the other inputs."""
+        args = list(example_args)
+        strides, laid_out, restrided = {}, [], False
+        for i in range(state_inputs):
+            if args[i].dim() != 4:
+                continue
+            if i in channels_last:
+                laid_out.append(i)
+                if not args[i].is_contiguous(memory_format=torch.channels_last):
+                    args[i] = args[i].contiguous(memory_format=torch.channels_last)
+                    restrided = True
+            strides[i] = tuple(args[i].stride())
+        return cls(args, tuple(laid_out), strides, restrided)
+
+
+def laid_out_as_traced(value: torch.Tensor, traced: torch.Tensor) -> torch.Tensor:
+    """A 4-D state value with the strides of the tensor its graph was traced with (a copy, if
+    another graph laid it out otherwise)."""
+    strides = traced.stride()
+    if value.dim() != 4 or value.stride() == strides or value.shape != traced.shape:
+        return value
+    if not torch._prims_common.is_non_overlapping_and_dense_or_false(traced):
+        return value
+    laid_out = torch.empty_strided(value.shape, strides, dtype=value.dtype, device=value.device)
+    return laid_out.copy_(value)
+
+
+def reads_strides(gm: fx.GraphModule) -> bool:
+    """Whether a value of `gm` depends on the strides of its inputs (`as_strided` and kin)."""
+    return any(n.op == "call_function" and n.target in _READS_STRIDES for n in gm.graph.nodes)
+
+
+def for_any_strides(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of `gm` that computes the same values whatever its inputs' strides: each view
+    a reshape (a view where the strides allow it, else a copy), each output contiguous."""
+    graph = fx.Graph()
+    results = graph.graph_copy(gm.graph, {})
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target in _VIEWS:
+            with graph.inserting_after(node):
+                reshape = graph.call_function(aten.reshape.default, node.args, node.kwargs)
+            node.replace_all_uses_with(reshape)
+            graph.erase_node(node)
+
+    def contiguous(value: object) -> object:
+        if not isinstance(value, fx.Node):
+            return value
+        return graph.call_function(
+            aten.clone.default, (value,), {"memory_format": torch.contiguous_format}
+        )
+
+    graph.output(fx.node.map_aggregate(results, contiguous))
+    return _LazyGraphModule(gm, graph)
