@@ -212,8 +212,8 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
         specs = artifacts.describe(traced)
         prepared, compiled_code = None, None
         if codegen_dir is not None:
-            values = {
-                b.name: slot.value
+            values = {  # as traced: another graph may hold them in another layout
+                b.name: laid_out_as_traced(slot.value, b.tensor)
                 for b, slot in zip(traced.state, slots, strict=True)
                 if b.kind is StateKind.REGISTERED
             }
