@@ -58,6 +58,15 @@ def layout(monkeypatch):
     return chosen
 
 
+def _registered(context, model: nn.Module):
+    """`model` and its SGD-momentum optimizer registered with `context`, and an eager twin
+    of the model: (model, reference, optimizer)."""
+    reference = twin(model)
+    optimizer = make_sgd(model.parameters())
+    register(context, model, optimizer)
+    return model, reference, optimizer
+
+
 def _device_value(context, tensor: torch.Tensor) -> torch.Tensor:
     return context.get_registered_value_proxy(tensor).cpu()
 
@@ -67,10 +76,7 @@ def _momentum(optimizer, parameter):
 
 
 def test_a_channels_last_graph_trains_its_convolution_state_laid_out_so(context, layout):
-    model = conv_net()
-    reference = twin(model)
-    optimizer = make_sgd(model.parameters())
-    register(context, model, optimizer)
+    model, reference, optimizer = _registered(context, conv_net())
     step = training_step(model, optimizer, cross_entropy)
     data = batches(3)
     compiled = context.compile(step, data[0], options={"option_json": "O1"})
@@ -100,10 +106,7 @@ def test_graphs_compiled_in_either_layout_share_the_state_each_as_eager(context,
     validation step before the first training step), then a training step in channels_last:
     called in turn, each gets the weights laid out as it was compiled for, and both compute
     what eager does."""
-    model = conv_net()
-    reference = twin(model)
-    optimizer = make_sgd(model.parameters())
-    register(context, model, optimizer)
+    model, reference, optimizer = _registered(context, conv_net())
     data = batches(3)
 
     def evaluate(batch):
@@ -140,10 +143,7 @@ def test_a_trusted_load_lays_the_state_out_as_its_compiled_code_needs(
     """The codegen dir says which state its compiled code takes channels_last: a trusted
     load runs that code directly (without the compile that decided the layout) and lays
     the state out so, continuing the training where the compiled step left it."""
-    model = conv_net()
-    reference = twin(model)
-    optimizer = make_sgd(model.parameters())
-    register(context, model, optimizer)
+    model, reference, optimizer = _registered(context, conv_net())
     step = training_step(model, optimizer, cross_entropy)
     data = batches(4)
     codegen = storage.path(tmp_path / "codegen")
@@ -192,10 +192,7 @@ def test_a_channels_last_graph_computes_its_views_and_outputs_as_eager(context, 
     """The graph was traced with the weights laid out as on the host: a view that their
     channels_last layout would not allow computes the same values, and a feature map the
     step returns comes out contiguous, as on the host."""
-    model = FlattenNet()
-    reference = twin(model)
-    optimizer = make_sgd(model.parameters())
-    register(context, model, optimizer)
+    model, reference, optimizer = _registered(context, FlattenNet())
 
     def step(batch):
         optimizer.zero_grad()
@@ -226,10 +223,7 @@ def test_a_channels_last_graph_computes_its_views_and_outputs_as_eager(context, 
 def test_a_graph_that_reads_strides_keeps_the_state_as_on_the_host(context, layout):
     """`as_strided` reads a weight's memory through its strides: a graph with one takes the
     weights as the host lays them out, and computes what eager does."""
-    model = conv_net()
-    reference = twin(model)
-    optimizer = make_sgd(model.parameters())
-    register(context, model, optimizer)
+    model, reference, optimizer = _registered(context, conv_net())
 
     def loss_fn(m, batch):
         taps = m[0].weight.as_strided((6, 18), (18, 1))  # the first 18 values of each filter

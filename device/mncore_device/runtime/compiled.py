@@ -12,6 +12,7 @@ from ..errors import ContextInvalidatedError
 from .executors import Executor
 from .signature import GraphSignature
 from .specs import TensorSpec, check_input_keys, check_real, conform_input
+from .state_layout import restrided
 from .tracing import StateKind
 
 
@@ -179,9 +180,7 @@ class CompiledFunction:
         for i, strides in self._state_strides:
             value = state[i].value
             if value.stride() != strides:
-                state[i].value = torch.empty_strided(
-                    value.shape, strides, dtype=value.dtype, device=value.device
-                ).copy_(value)
+                state[i].value = restrided(value, strides)
         args = [slot.value for slot in state]
         device = self.device
         for key, spec in self._input_items:

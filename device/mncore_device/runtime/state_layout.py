@@ -74,6 +74,11 @@ def laid_out_as_traced(value: torch.Tensor, traced: torch.Tensor) -> torch.Tenso
         return value
     if not torch._prims_common.is_non_overlapping_and_dense_or_false(traced):
         return value
+    return restrided(value, strides)
+
+
+def restrided(value: torch.Tensor, strides: tuple[int, ...]) -> torch.Tensor:
+    """A copy of `value` with `strides` (a dense layout of its shape)."""
     laid_out = torch.empty_strided(value.shape, strides, dtype=value.dtype, device=value.device)
     return laid_out.copy_(value)
 
