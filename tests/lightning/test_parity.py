@@ -159,3 +159,37 @@ def test_mncore_o1_matches_cpu_with_convolutions_on_small_maps(monkeypatch, chan
 
     assert {"_pointwise_as_matmul", "_small_map_as_matmul"} <= {name for name, _ in rewritten}
     _assert_fits_match((mn_trainer, mn_model, mn), (cpu_trainer, cpu_model, cpu))
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
+def test_mncore_o1_matches_cpu_with_its_state_held_channels_last(monkeypatch, channels_last):
+    """At O1 a graph compiled in channels_last holds its convolution weights and their Adam
+    state channels_last on the device (runtime/state_layout.py): the training, sanity-check
+    and validation graphs, whose views of the convolutions' maps hold only for the host's
+    layout, fit as cpu does (losses, weights, optimizer state, logged metrics within ATOL),
+    none of them falling back to running op by op."""
+    import warnings
+
+    from mncore_device import InductorFallbackWarning
+    from mncore_device.runtime import executors
+
+    monkeypatch.setattr(executors, "_channels_last_is_faster", lambda gm, args: True)
+    restrided = []
+
+    class Recorded(executors.StateLayout):
+        @classmethod
+        def of(cls, *args, **kwargs):
+            layout = super().of(*args, **kwargs)
+            restrided.append(layout.restrided)
+            return layout
+
+    monkeypatch.setattr(executors, "StateLayout", Recorded)
+    monkeypatch.setenv("MNCORE_PRESET", "O1")
+    model_kwargs = dict(channels_last=channels_last, optimizer="adam", lr=0.01)
+    cpu_run = _run("cpu", model_kwargs, model_cls=_SmallMapsClassifier)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", InductorFallbackWarning)
+        mn_run = _run("mncore", model_kwargs, model_cls=_SmallMapsClassifier)
+
+    assert restrided and all(restrided)  # the dense 3x3 weight and its Adam state, each graph
+    _assert_fits_match(mn_run, cpu_run)
