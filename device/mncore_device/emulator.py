@@ -239,7 +239,7 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
                     compiled_code.cache_dir if compiled_code is not None else None,
                     compiled_code.files() if compiled_code is not None else [],
                     compiled_code.runnable_entry() if compiled_code is not None else None,
-                    compiled_code.channels_last if compiled_code is not None else (),
+                    compiled_code.dim_orders if compiled_code is not None else {},
                 )
         return compiled
 
@@ -266,7 +266,7 @@ class EmulatorContext(Context, backend=Backend.EMULATOR):
                 if names is not None:
                     compiled_code.install(directory / artifacts.COMPILED_DIR, names)
                     compiled_code.entry = artifacts.compiled_entry(specs, names)
-                    compiled_code.channels_last = tuple(specs["compiled"].get("channels_last", ()))
+                    compiled_code.dim_orders = artifacts.compiled_dim_orders(specs)
                 name = _function_name(None, path)
                 return self._finish(
                     traced,

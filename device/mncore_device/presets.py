@@ -34,6 +34,10 @@ class Preset:
     # compile time on this machine (forward and backward), ran faster in channels_last: see
     # convolution_layout.
     channels_last_where_faster: bool = False
+    # Store a linear layer's weight (and its optimizer state) transposed where the graph reads
+    # it only as `W.t()` (a layer on the batch, as an MLP's first) and its matmuls, timed at
+    # compile time on this machine, ran faster so: see matmul_layout.
+    transposed_weights_where_faster: bool = False
     # A convolution on feature maps of at most this many pixels (a network's last stages on
     # small images) runs as matrix multiplications: a 1x1 kernel over the pixels as rows, a
     # dense kxk kernel as the linear map between the input's and the output's pixels.

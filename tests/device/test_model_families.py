@@ -219,10 +219,10 @@ def test_an_lstm_step_called_without_grad_mode_trains_as_eager(context, mode):
 @pytest.fixture
 def layout_decisions(tmp_path, monkeypatch):
     """Layout decisions made afresh, kept in a folder of this test's (not Inductor's cache)."""
-    from mncore_device.runtime import convolution_layout
+    from mncore_device.runtime import convolution_layout, timed_layouts
 
-    monkeypatch.setattr(convolution_layout, "_DECIDED", {})
-    monkeypatch.setattr(convolution_layout, "_inductor_cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(timed_layouts, "_DECIDED", {})
+    monkeypatch.setattr(timed_layouts, "_inductor_cache_dir", lambda: tmp_path)
     return convolution_layout
 
 
@@ -266,6 +266,7 @@ def test_a_graph_without_convolutions_times_nothing(layout_decisions, monkeypatc
 def test_a_layout_decision_is_timed_once_per_set_of_convolutions(layout_decisions, monkeypatch):
     """Kept in the process and in Inductor's cache directory: a warm compile in another
     process reads it instead of timing again; another thread count times again."""
+    from mncore_device.runtime import timed_layouts
     from mncore_device.runtime.convolution_layout import Convolution
 
     timings = []
@@ -278,7 +279,7 @@ def test_a_layout_decision_is_timed_once_per_set_of_convolutions(layout_decision
     cpu = torch.device("cpu")
     assert layout_decisions.channels_last_is_faster(convolutions, cpu)
     assert layout_decisions.channels_last_is_faster(convolutions, cpu)
-    monkeypatch.setattr(layout_decisions, "_DECIDED", {})  # another process
+    monkeypatch.setattr(timed_layouts, "_DECIDED", {})  # another process
     assert layout_decisions.channels_last_is_faster(convolutions, cpu)
     assert len(timings) == 1
     threads = torch.get_num_threads()

@@ -150,7 +150,7 @@ def test_a_trusted_load_lays_the_state_out_as_its_compiled_code_needs(
     compiled = context.compile(step, data[0], codegen, {"option_json": "O1"})
     losses = [compiled(batch)["loss"].item() for batch in data[:2]]
     specs = json.loads((tmp_path / "codegen" / "specs.json").read_text())
-    assert specs["compiled"]["channels_last"]  # the convolutions' weights and momenta
+    assert specs["compiled"]["dim_orders"]  # the convolutions' weights and momenta
 
     entries = []
     load_entry = executors._load_compiled_entry

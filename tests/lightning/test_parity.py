@@ -161,6 +161,44 @@ def test_mncore_o1_matches_cpu_with_convolutions_on_small_maps(monkeypatch, chan
     _assert_fits_match((mn_trainer, mn_model, mn), (cpu_trainer, cpu_model, cpu))
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_mncore_o1_matches_cpu_with_its_first_weight_stored_transposed(
+    monkeypatch, tmp_path, optimizer
+):
+    """At O1 an MLP's first weight, read only as `W.t()` by its forward's matmul, is stored
+    transposed with its optimizer state where the timing found that faster
+    (runtime/matmul_layout.py; chosen here): the training graph holds it so, the sanity
+    check's and validation's graphs each as they were compiled for, and the fit matches cpu
+    (losses, weights, optimizer state, logged metrics within ATOL), without falling back to
+    running op by op."""
+    import warnings
+
+    from mncore_device import InductorFallbackWarning
+    from mncore_device.runtime import executors, matmul_layout, timed_layouts
+
+    monkeypatch.setattr(matmul_layout, "_time_both", lambda cases, device: (2.0, 1.0))
+    monkeypatch.setattr(timed_layouts, "_DECIDED", {})
+    monkeypatch.setattr(timed_layouts, "_inductor_cache_dir", lambda: tmp_path)
+    transposed = []
+
+    def recorded(*args, **kwargs):
+        transposed.append(matmul_layout.transposed_where_faster(*args, **kwargs))
+        return transposed[-1]
+
+    monkeypatch.setattr(executors, "transposed_where_faster", recorded)
+    monkeypatch.setenv("MNCORE_PRESET", "O1")
+    model_kwargs = dict(net="mlp", optimizer=optimizer, lr=0.05)
+    cpu_run = _run("cpu", model_kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", InductorFallbackWarning)
+        mn_run = _run("mncore", model_kwargs)
+
+    moments = 2 if optimizer == "adamw" else 1
+    trained = [t for t in transposed if t.matmuls]  # the weight, its gradient and its state
+    assert trained and all(len(t.inputs) == 1 + moments for t in trained)
+    _assert_fits_match(mn_run, cpu_run)
+
+
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
 def test_mncore_o1_matches_cpu_with_its_state_held_channels_last(monkeypatch, channels_last):
     """At O1 a graph compiled in channels_last holds its convolution weights and their Adam

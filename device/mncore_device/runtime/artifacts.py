@@ -31,7 +31,7 @@ import os
 import shutil
 import tempfile
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +42,7 @@ from ..presets import Preset
 from .graph_json import GraphFormatError, graph_from_json, graph_to_json
 from .signature import GraphSignature
 from .specs import TensorSpec
+from .state_layout import CHANNELS_LAST
 from .tracing import StateBinding, StateKind, TracedStep
 
 FORMAT_VERSION = 2
@@ -144,15 +145,15 @@ def save(
     compiled_from: Path | None = None,
     compiled_files: list[str] = (),
     compiled_entry: str | None = None,
-    channels_last: Sequence[int] = (),
+    dim_orders: Mapping[int, Sequence[int]] | None = None,
 ) -> None:
     """Write a codegen directory: all of it, or (if interrupted) nothing.
 
     compiled_from / compiled_files: Inductor's cache files for this step (its compiled host
     code), copied into `compiled/` with their sha256 in specs.json["compiled"].
     compiled_entry: the one of them a trusted load runs directly, if any
-    (`CompiledCode.runnable_entry`); channels_last: the state inputs it takes laid out
-    channels_last (`StateLayout`)."""
+    (`CompiledCode.runnable_entry`); dim_orders: the state inputs it takes laid out
+    otherwise than row-major (`StateLayout`)."""
     specs = dict(prepared.specs)
     path = path.absolute()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -174,12 +175,23 @@ def save(
                 # Inductor's CPU kernels are built for the compile's thread count
                 specs["compiled"]["entry"] = compiled_entry
                 specs["compiled"]["entry_threads"] = torch.get_num_threads()
-                specs["compiled"]["channels_last"] = list(channels_last)
+                specs["compiled"]["dim_orders"] = {
+                    str(i): list(order) for i, order in (dim_orders or {}).items()
+                }
         (staging / SPECS_FILE).write_text(json.dumps(specs, indent=1))
         _replace_dir(staging, path)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def compiled_dim_orders(specs: dict) -> dict[int, tuple[int, ...]]:
+    """The state inputs a codegen dir's compiled entry takes laid out otherwise than
+    row-major (`StateLayout`); a dir of an earlier version lists its channels_last ones."""
+    compiled = specs.get("compiled", {})
+    if "dim_orders" in compiled:
+        return {int(i): tuple(order) for i, order in compiled["dim_orders"].items()}
+    return {int(i): CHANNELS_LAST for i in compiled.get("channels_last", ())}
 
 
 def compiled_entry(specs: dict, names: list[str]) -> str | None:

@@ -100,7 +100,7 @@ class CompiledFunction:
         self.signature = signature
         self._executor = executor
         self._state = list(state)
-        # the strides its executor needs of each 4-D state input (StateLayout): a slot that
+        # the strides its executor needs of each state input (StateLayout): a slot that
         # another function's graph laid out otherwise is laid out again, in device memory
         self._state_strides = sorted(getattr(executor, "state_strides", {}).items())
         self._mutated = list(mutated)
@@ -116,6 +116,16 @@ class CompiledFunction:
         self.compile_seconds = compile_seconds
         self.cache_hit = cache_hit
         self.calls = 0
+        self._lay_out_state()  # now: its calls then train in memory that stays put
+
+    def _lay_out_state(self) -> None:
+        """Each state slot in the strides this function's graph was compiled for, a copy
+        where another function's graph (or a `load_from`) left it otherwise."""
+        state = self._state
+        for i, strides in self._state_strides:
+            value = state[i].value
+            if value.stride() != strides:
+                state[i].value = restrided(value, strides)
 
     def captured_unregistered(self, tensor: torch.Tensor) -> list[DeviceSlot]:
         """The slots this function captured from host `tensor` as unregistered state."""
@@ -176,12 +186,8 @@ class CompiledFunction:
         check_input_keys(inputs, self.input_specs)
         for slot in self._constants:
             slot.refresh_from_host()
-        state = self._state
-        for i, strides in self._state_strides:
-            value = state[i].value
-            if value.stride() != strides:
-                state[i].value = restrided(value, strides)
-        args = [slot.value for slot in state]
+        self._lay_out_state()
+        args = [slot.value for slot in self._state]
         device = self.device
         for key, spec in self._input_items:
             value = inputs[key]

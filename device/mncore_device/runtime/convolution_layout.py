@@ -14,15 +14,12 @@ SqueezeNet's are dense) nor 1x1 kernels (half of ResNet-50's) tell them apart. T
 graph's convolutions timed one by one (forward and backward, each weight in the layout
 timed) picks the faster layout.
 
-A decision is kept per set of convolutions, thread count and device, in this process and in
-Inductor's cache directory: a warm compile does not time again."""
+A decision is kept per set of convolutions, thread count and device (`timed_layouts`): a
+warm compile does not time again."""
 
 from __future__ import annotations
 
 import collections
-import hashlib
-import json
-import os
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -32,9 +29,9 @@ from pathlib import Path
 import torch
 from torch import fx
 
+from .timed_layouts import other_layout_is_faster
+
 aten = torch.ops.aten
-FILE_NAME = "mncore_convolution_layouts.json"  # in Inductor's cache directory
-_DECIDED: dict[str, bool] = {}  # this process's decisions, by key
 # part of a decision's key: decisions timed otherwise (with a copy of each weight to
 # channels_last and of its gradient back, as when state was always stored contiguous) are
 # not reused
@@ -123,20 +120,14 @@ def channels_last_is_faster(
     cache_dir: Path | None = None,
 ) -> bool:
     """Whether `convolutions` (forward and backward, each weight stored in the layout timed:
-    see StateLayout) took less time in channels_last than in NCHW, timed here. Decided once per set of convolutions, thread count and device."""
+    see StateLayout) took less time in channels_last than in NCHW, timed here. Decided once
+    per set of convolutions, thread count and device (`timed_layouts`)."""
     if not convolutions:
         return False
-    key = _key(convolutions, device)
-    if key in _DECIDED:
-        return _DECIDED[key]
-    path = (cache_dir or _inductor_cache_dir()) / FILE_NAME
-    remembered = _read(path)
-    if key not in remembered:
-        stored, channels_last = _time_both(convolutions, device)
-        remembered = {**_read(path), key: channels_last < stored}
-        _write(path, remembered)
-    _DECIDED[key] = bool(remembered[key])
-    return _DECIDED[key]
+    described = [_WHAT_IS_TIMED, sorted((astuple(c), n) for c, n in convolutions.items())]
+    return other_layout_is_faster(
+        described, device, lambda: _time_both(convolutions, device), cache_dir
+    )
 
 
 def _time_both(
@@ -194,39 +185,6 @@ def _runs(
         return total
 
     return run
-
-
-def _key(convolutions: collections.Counter[Convolution], device: torch.device) -> str:
-    described = sorted((astuple(conv), count) for conv, count in convolutions.items())
-    text = json.dumps(
-        [described, device.type, torch.get_num_threads(), torch.__version__, _WHAT_IS_TIMED],
-        default=str,
-    )
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
-
-
-def _inductor_cache_dir() -> Path:
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    return Path(cache_dir())
-
-
-def _read(path: Path) -> dict[str, bool]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _write(path: Path, decisions: dict[str, bool]) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        staging = path.with_name(f".{path.name}.{os.getpid()}")
-        staging.write_text(json.dumps(decisions))
-        os.replace(staging, path)
-    except OSError:  # a read-only cache: the decision stays in this process
-        pass
 
 
 def _is_convolution(node: fx.Node) -> bool:

@@ -29,7 +29,8 @@ from .inductor_keys import apply_remembered_source_keys
 from .kernel_libraries import kernels_built_in_libraries
 from .opaque_ops import make_opaque
 from .parallel_build import entry_and_kernels_built_together
-from .state_layout import StateLayout, for_any_strides, reads_strides
+from .matmul_layout import Transposition, transposed_where_faster, with_results_transposed
+from .state_layout import CHANNELS_LAST, StateLayout, for_any_strides, reads_strides
 from .state_writes import new_state_written_in_place
 from .tracing import _is_view_of
 
@@ -58,8 +59,9 @@ def build_executor(
     inputs' own memory and returns those inputs (see `_updating_state_in_place`).
     state_inputs: how many of the first inputs are device state. A graph Inductor compiles in
     channels_last (`convolution_layout`) takes its 4-D state (convolution weights and their
-    optimizer state) laid out so; an Inductor executor's `state_strides` are the strides it
-    needs of each 4-D state input (see `CompiledFunction`)."""
+    optimizer state) laid out so, and a linear weight whose matmuls ran faster so
+    (`matmul_layout`) is stored transposed; an Inductor executor's `state_strides` are the
+    strides it needs of each state input (see `CompiledFunction`)."""
     _retarget_devices(gm, device)
     make_opaque(gm)
     if preset.executor == "interpreter":
@@ -70,7 +72,7 @@ def build_executor(
         cache_dir = compiled_code.cache_dir
         if compiled_code.entry is not None:
             try:
-                layout = StateLayout.of(example_args, state_inputs, compiled_code.channels_last)
+                layout = StateLayout.of(example_args, state_inputs, compiled_code.dim_orders)
                 run = _load_compiled_entry(
                     gm, preset, layout.args, compiled_code, compile_threads, mutated_inputs
                 )
@@ -90,7 +92,7 @@ def build_executor(
         _note_fallback(preset, "compile", error)
         return _interpreted(gm)
     if compiled_code is not None:  # what a trusted load of its entry lays out again
-        compiled_code.channels_last = layout.channels_last
+        compiled_code.dim_orders = layout.dim_orders
     return _FirstCallChecked(run, gm, preset, list(mutated_inputs), layout.strides)
 
 
@@ -180,6 +182,8 @@ class CompiledCode:
 
         shared = Path(base) if base is not None else Path(current_cache_dir())
         self.cache_dir = shared / "mncore_steps" / key
+        # the state inputs its compiled graph takes laid out otherwise: see StateLayout
+        self.dim_orders: dict[int, tuple[int, ...]] = {}
         inductor = self.cache_dir / "inductor"  # where _inductor_cache_dir points Inductor
         inductor.mkdir(parents=True, exist_ok=True)
         remembered = shared / FILE_NAME
@@ -187,7 +191,6 @@ class CompiledCode:
             _copy_whole(remembered, inductor / FILE_NAME)  # another rank may be reading it
 
     entry: str | None = None  # set by a trusted load: see `runnable_entry`
-    channels_last: tuple[int, ...] = ()  # the compiled graph's: see StateLayout
     _output_code: str | None = None  # Inductor's key of the compiled graph's Python module
 
     @contextlib.contextmanager
@@ -307,14 +310,20 @@ def _compile_with_inductor(
 
     with _inductor_cache_dir(cache_dir):  # where the layout's timing keeps its decision
         options = _inductor_options(gm, preset, example_args, compile_threads)
-    channels_last = ()
-    if options.get("layout_optimization") and not reads_strides(gm):
-        channels_last = range(state_inputs)
-    layout = StateLayout.of(example_args, state_inputs, channels_last)
+    mutated = mutated_inputs or []
+    dim_orders, transposed = {}, Transposition()
+    if not reads_strides(gm):
+        if options.get("layout_optimization"):
+            dim_orders = dict.fromkeys(range(state_inputs), CHANNELS_LAST)
+        if preset.transposed_weights_where_faster:
+            with _inductor_cache_dir(cache_dir):  # where the timing keeps its decision
+                transposed = transposed_where_faster(gm, example_args, state_inputs, mutated)
+            dim_orders.update(transposed.dim_orders())
+    layout = StateLayout.of(example_args, state_inputs, dim_orders)
     example_args = layout.args
     _scale_before_adding(gm)
-    mutated = mutated_inputs or []
-    in_place = _updating_state_in_place(gm, mutated) if mutated else gm
+    in_place = with_results_transposed(gm, transposed.matmuls)
+    in_place = _updating_state_in_place(in_place, mutated) if mutated else in_place
     if layout.restrided:
         in_place = for_any_strides(in_place)
     in_place = rewritten_convolutions(in_place, example_args, preset.matmul_max_pixels)

@@ -4,7 +4,8 @@ A graph whose convolutions Inductor compiles in channels_last (`convolution_layo
 their weights, and those weights' optimizer state, laid out channels_last in device memory,
 instead of copying each weight to channels_last and its gradient back at every step.
 Measured (DenseNet-121, batch 32, 1 thread, O1, two runs on a noisy machine): 1.34x and
-1.32x torch.compile instead of 1.13x and 1.23x.
+1.32x torch.compile instead of 1.13x and 1.23x. A linear layer whose matmuls run faster with
+its weight stored transposed (`matmul_layout`) takes that weight and its optimizer state so.
 
 A graph is traced with the state laid out as on the host. Its values do not depend on the
 strides of its inputs, except through an op that reads them (`as_strided`: such a graph
@@ -16,7 +17,7 @@ gives them.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import fx
@@ -33,44 +34,67 @@ _READS_STRIDES = {
 _VIEWS = {aten.view.default, aten._unsafe_view.default}
 
 
+CHANNELS_LAST = (0, 2, 3, 1)  # a 4-D tensor's dim order in channels_last
+TRANSPOSED = (1, 0)  # a 2-D tensor's dim order stored column by column
+
+
 @dataclasses.dataclass(frozen=True)
 class StateLayout:
-    """How a graph compiled by Inductor takes its 4-D state inputs.
+    """How a graph compiled by Inductor takes its state inputs.
 
-    args: the example inputs, laid out so; channels_last: the state inputs laid out
-    channels_last; strides: the strides the compiled graph needs of each 4-D state input
-    (`CompiledFunction` lays a slot out again where another graph left it otherwise);
-    restrided: whether any state input is laid out otherwise than traced."""
+    args: the example inputs, laid out so; dim_orders: the state inputs laid out otherwise
+    than row-major, each with its dims from outermost to innermost in memory (channels_last
+    convolution state, `CHANNELS_LAST`; a linear layer's weight stored transposed,
+    `TRANSPOSED`); strides: the strides the compiled graph needs of each state input of 2 or
+    more dims (`CompiledFunction` lays a slot out again where another graph left it
+    otherwise); restrided: whether any state input is laid out otherwise than traced."""
 
     args: list[torch.Tensor]
-    channels_last: tuple[int, ...]
+    dim_orders: dict[int, tuple[int, ...]]
     strides: dict[int, tuple[int, ...]]
     restrided: bool
 
     @classmethod
     def of(
-        cls, example_args: Sequence[torch.Tensor], state_inputs: int, channels_last: Collection[int]
+        cls,
+        example_args: Sequence[torch.Tensor],
+        state_inputs: int,
+        dim_orders: Mapping[int, Sequence[int]],
     ) -> StateLayout:
-        """example_args: the state (laid out as traced), then the other inputs."""
+        """example_args: the state (laid out as traced), then the other inputs; dim_orders:
+        the state inputs to lay out otherwise than row-major (those of another rank are
+        left as traced)."""
         args = list(example_args)
-        strides, laid_out, restrided = {}, [], False
+        strides, laid_out, moved = {}, {}, False
         for i in range(state_inputs):
-            if args[i].dim() != 4:
+            if args[i].dim() < 2:
                 continue
-            if i in channels_last:
-                laid_out.append(i)
-                if not args[i].is_contiguous(memory_format=torch.channels_last):
-                    args[i] = args[i].contiguous(memory_format=torch.channels_last)
-                    restrided = True
+            order = tuple(dim_orders.get(i, ()))
+            if len(order) == args[i].dim():
+                laid_out[i] = order
+                wanted = strides_of(args[i].shape, order)
+                if args[i].stride() != wanted:
+                    args[i] = restrided(args[i], wanted)
+                    moved = True
             strides[i] = tuple(args[i].stride())
-        return cls(args, tuple(laid_out), strides, restrided)
+        return cls(args, laid_out, strides, moved)
+
+
+def strides_of(shape: Sequence[int], dim_order: Sequence[int]) -> tuple[int, ...]:
+    """The dense strides of `shape` with its dims laid out in `dim_order` (outermost first)."""
+    strides = [0] * len(shape)
+    step = 1
+    for dim in reversed(dim_order):
+        strides[dim] = step
+        step *= max(shape[dim], 1)
+    return tuple(strides)
 
 
 def laid_out_as_traced(value: torch.Tensor, traced: torch.Tensor) -> torch.Tensor:
-    """A 4-D state value with the strides of the tensor its graph was traced with (a copy, if
+    """A state value with the strides of the tensor its graph was traced with (a copy, if
     another graph laid it out otherwise)."""
     strides = traced.stride()
-    if value.dim() != 4 or value.stride() == strides or value.shape != traced.shape:
+    if value.stride() == strides or value.shape != traced.shape:
         return value
     if not torch._prims_common.is_non_overlapping_and_dense_or_false(traced):
         return value
