@@ -209,7 +209,8 @@ class _Groups:
         self.parent: dict[fx.Node, tuple[fx.Node, bool]] = {}
         self.conflicted: set[fx.Node] = set()
         output = next(n for n in gm.graph.nodes if n.op == "output")
-        results = list(output.args[0])
+        results = output.args[0]
+        results = list(results) if isinstance(results, (list, tuple)) else [results]
         self.new_values: dict[fx.Node, fx.Node] = {}  # new value -> its state input
         for index, value in zip(mutated, results[len(results) - len(mutated) :], strict=True):
             if isinstance(value, fx.Node):
