@@ -15,6 +15,7 @@ import lightning as L
 import pytest
 import torch
 
+from mncore_lightning import MNCoreStrategy
 from tests.lightning.lightning_testing import (
     ATOL,
     LitClassifier,
@@ -74,12 +75,14 @@ def test_mncore_matches_cpu(model_kwargs):
         assert not torch.allclose(bn.running_var, torch.ones_like(bn.running_var))
 
 
-def _assert_fits_match(mncore_run, cpu_run) -> None:
-    """Two `_run` results of 3 epochs of 3 steps agree within ATOL: every step's loss, the
+def _assert_fits_match(mncore_run, cpu_run, steps_per_call: int = 1) -> None:
+    """Two `_run` results of 3 epochs of 3 steps agree within ATOL: every step's loss (with
+    `steps_per_call=K`, the loss Lightning gets from each call: its last step's), the
     weights, the optimizer state and every epoch's logged metrics."""
     (mn_trainer, mn_model, mn), (cpu_trainer, cpu_model, cpu) = mncore_run, cpu_run
-    assert len(cpu.losses) == len(mn.losses) == 3 * 3
-    torch.testing.assert_close(torch.stack(mn.losses), torch.stack(cpu.losses), atol=ATOL, rtol=0)
+    cpu_losses = cpu.losses[steps_per_call - 1 :: steps_per_call]
+    assert len(cpu.losses) == 3 * 3 and len(mn.losses) == len(cpu_losses)
+    torch.testing.assert_close(torch.stack(mn.losses), torch.stack(cpu_losses), atol=ATOL, rtol=0)
     assert_state_close(mn_model, cpu_model)
     assert_optimizer_state_close(mn_trainer.optimizers[0], cpu_trainer.optimizers[0])
     for mn_metrics, cpu_metrics in zip(mn.epoch_metrics, cpu.epoch_metrics, strict=True):
@@ -161,16 +164,17 @@ def test_mncore_o1_matches_cpu_with_convolutions_on_small_maps(monkeypatch, chan
     _assert_fits_match((mn_trainer, mn_model, mn), (cpu_trainer, cpu_model, cpu))
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize(("optimizer", "steps_per_call"), [("sgd", 1), ("adamw", 1), ("adamw", 3)])
 def test_mncore_o1_matches_cpu_with_its_first_weight_stored_transposed(
-    monkeypatch, tmp_path, optimizer
+    monkeypatch, tmp_path, optimizer, steps_per_call
 ):
     """At O1 an MLP's first weight, read only as `W.t()` by its forward's matmul, is stored
     transposed with its optimizer state where the timing found that faster
-    (runtime/matmul_layout.py; chosen here): the training graph holds it so, the sanity
-    check's and validation's graphs each as they were compiled for, and the fit matches cpu
-    (losses, weights, optimizer state, logged metrics within ATOL), without falling back to
-    running op by op."""
+    (runtime/matmul_layout.py; chosen here): the training graph holds it so (with
+    `steps_per_call=3`, one graph of three steps, each computing its gradient transposed),
+    the sanity check's and validation's graphs each as they were compiled for, and the fit
+    matches cpu (losses, weights, optimizer state, logged metrics within ATOL), without
+    falling back to running op by op."""
     import warnings
 
     from mncore_device import InductorFallbackWarning
@@ -191,12 +195,14 @@ def test_mncore_o1_matches_cpu_with_its_first_weight_stored_transposed(
     cpu_run = _run("cpu", model_kwargs)
     with warnings.catch_warnings():
         warnings.simplefilter("error", InductorFallbackWarning)
-        mn_run = _run("mncore", model_kwargs)
+        strategy = MNCoreStrategy(steps_per_call=steps_per_call)
+        mn_run = _run("mncore", model_kwargs, strategy=strategy)
 
     moments = 2 if optimizer == "adamw" else 1
     trained = [t for t in transposed if t.matmuls]  # the weight, its gradient and its state
     assert trained and all(len(t.inputs) == 1 + moments for t in trained)
-    _assert_fits_match(mn_run, cpu_run)
+    assert max(len(t.matmuls) for t in trained) == steps_per_call
+    _assert_fits_match(mn_run, cpu_run, steps_per_call)
 
 
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
