@@ -27,9 +27,9 @@ from .convolution_rewrites import channels_last_weights, is_call, rewritten_conv
 from .fusion_search import scalar_inputs_pair_equal_sizes
 from .inductor_keys import apply_remembered_source_keys
 from .kernel_libraries import kernels_built_in_libraries
+from .matmul_layout import Transposition, transposed_where_faster, with_results_transposed
 from .opaque_ops import make_opaque
 from .parallel_build import entry_and_kernels_built_together
-from .matmul_layout import Transposition, transposed_where_faster, with_results_transposed
 from .state_layout import CHANNELS_LAST, StateLayout, for_any_strides, reads_strides
 from .state_writes import new_state_written_in_place
 from .tracing import _is_view_of
