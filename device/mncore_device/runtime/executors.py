@@ -308,17 +308,16 @@ def _compile_with_inductor(
 ) -> tuple[Executor, StateLayout]:
     from torch._inductor.compile_fx import compile_fx
 
-    with _inductor_cache_dir(cache_dir):  # where the layout's timing keeps its decision
-        options = _inductor_options(gm, preset, example_args, compile_threads)
     mutated = mutated_inputs or []
-    dim_orders, transposed = {}, Transposition()
-    if not reads_strides(gm):
-        if options.get("layout_optimization"):
-            dim_orders = dict.fromkeys(range(state_inputs), CHANNELS_LAST)
-        if preset.transposed_weights_where_faster:
-            with _inductor_cache_dir(cache_dir):  # where the timing keeps its decision
-                transposed = transposed_where_faster(gm, example_args, state_inputs, mutated)
-            dim_orders.update(transposed.dim_orders())
+    keeps_strides = reads_strides(gm)  # such a graph takes its state as the host lays it out
+    transposed = Transposition()
+    with _inductor_cache_dir(cache_dir):  # where the layouts' timings keep their decisions
+        options = _inductor_options(gm, preset, example_args, compile_threads)
+        if preset.transposed_weights_where_faster and not keeps_strides:
+            transposed = transposed_where_faster(gm, example_args, state_inputs, mutated)
+    dim_orders = transposed.dim_orders()
+    if options.get("layout_optimization") and not keeps_strides:
+        dim_orders = {**dict.fromkeys(range(state_inputs), CHANNELS_LAST), **dim_orders}
     layout = StateLayout.of(example_args, state_inputs, dim_orders)
     example_args = layout.args
     _scale_before_adding(gm)

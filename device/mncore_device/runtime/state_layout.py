@@ -73,7 +73,7 @@ class StateLayout:
             if len(order) == args[i].dim():
                 laid_out[i] = order
                 wanted = strides_of(args[i].shape, order)
-                if args[i].stride() != wanted:
+                if not _same_memory_order(args[i], wanted):
                     args[i] = restrided(args[i], wanted)
                     moved = True
             strides[i] = tuple(args[i].stride())
@@ -88,6 +88,14 @@ def strides_of(shape: Sequence[int], dim_order: Sequence[int]) -> tuple[int, ...
         strides[dim] = step
         step *= max(shape[dim], 1)
     return tuple(strides)
+
+
+def _same_memory_order(value: torch.Tensor, strides: Sequence[int]) -> bool:
+    """Whether `value` already lies in memory as `strides` lay it out: the strides of its
+    dims of size 1 do not count (a 1x1 kernel is channels_last and contiguous at once)."""
+    return all(
+        s == w for s, w, n in zip(value.stride(), strides, value.shape, strict=True) if n > 1
+    )
 
 
 def laid_out_as_traced(value: torch.Tensor, traced: torch.Tensor) -> torch.Tensor:
