@@ -94,6 +94,24 @@ def training_step(
     return step
 
 
+def registered_with_twin(context: Context, model: nn.Module):
+    """`model` and its SGD-momentum optimizer (`make_sgd`) registered with `context`, and an
+    eager twin of the model: (model, reference, optimizer)."""
+    reference = twin(model)
+    optimizer = make_sgd(model.parameters())
+    register(context, model, optimizer)
+    return model, reference, optimizer
+
+
+def device_value(context: Context, tensor: torch.Tensor) -> torch.Tensor:
+    """The device's value of registered `tensor`, as it lies in device memory."""
+    return context.get_registered_value_proxy(tensor).cpu()
+
+
+def momentum_of(optimizer: torch.optim.Optimizer, parameter: torch.Tensor) -> torch.Tensor:
+    return optimizer.state[parameter]["momentum_buffer"]
+
+
 def compile_o0(context: Context, function, sample: Batch, **kwargs) -> CompiledFunction:
     """`context.compile` with the O0 preset (the op-by-op interpreter)."""
     return context.compile(function, sample, options={"option_json": "O0"}, **kwargs)

@@ -19,10 +19,11 @@ from tests.device.device_testing import (
     assert_state_close,
     classification_batches,
     cross_entropy,
+    device_value,
     make_sgd,
-    register,
+    momentum_of,
+    registered_with_twin,
     training_step,
-    twin,
 )
 
 ATOL = 1e-5
@@ -51,21 +52,6 @@ def timing(tmp_path, monkeypatch):
     return chosen
 
 
-def _registered(context, model: nn.Module):
-    reference = twin(model)
-    optimizer = make_sgd(model.parameters())
-    register(context, model, optimizer)
-    return model, reference, optimizer
-
-
-def _device_value(context, tensor: torch.Tensor) -> torch.Tensor:
-    return context.get_registered_value_proxy(tensor).cpu()
-
-
-def _momentum(optimizer, parameter):
-    return optimizer.state[parameter]["momentum_buffer"]
-
-
 def _assert_trained_as_eager(context, model, reference, optimizer, data, losses, loss_fn):
     reference_optimizer = make_sgd(reference.parameters())
     reference_step = training_step(reference, reference_optimizer, loss_fn)
@@ -75,7 +61,10 @@ def _assert_trained_as_eager(context, model, reference, optimizer, data, losses,
     assert_state_close(model, reference, atol=ATOL)
     for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(
-            _momentum(optimizer, ours), _momentum(reference_optimizer, theirs), atol=ATOL, rtol=0
+            momentum_of(optimizer, ours),
+            momentum_of(reference_optimizer, theirs),
+            atol=ATOL,
+            rtol=0,
         )
 
 
@@ -84,17 +73,17 @@ def test_an_mlps_first_weight_trains_stored_transposed_with_its_momentum(context
     second layer (whose input needs a gradient, so `g @ W` reads it untransposed) keeps the
     host's layout. What was timed: the forward's read of `W.t()` and the gradient's matmul,
     with their operands as traced."""
-    model, reference, optimizer = _registered(context, mlp())
+    model, reference, optimizer = registered_with_twin(context, mlp())
     data = classification_batches(3, 8, 12, 3)
     compiled = context.compile(
         training_step(model, optimizer, cross_entropy), data[0], options={"option_json": "O1"}
     )
     losses = [compiled(batch)["loss"].item() for batch in data]
 
-    for tensor in (model[0].weight, _momentum(optimizer, model[0].weight)):
-        assert _device_value(context, tensor).stride() == (1, 6)
-    for tensor in (model[2].weight, _momentum(optimizer, model[2].weight)):
-        assert _device_value(context, tensor).is_contiguous()
+    for tensor in (model[0].weight, momentum_of(optimizer, model[0].weight)):
+        assert device_value(context, tensor).stride() == (1, 6)
+    for tensor in (model[2].weight, momentum_of(optimizer, model[2].weight)):
+        assert device_value(context, tensor).is_contiguous()
     (cases,) = timing["cases"]
     reads = [c for c in cases if c.reads_group]
     gradients = [c for c in cases if not c.reads_group]
@@ -120,7 +109,7 @@ def test_the_gradient_is_computed_laid_out_as_its_weight(context, timing, monkey
         return compile_fx(gm, args, **kwargs)
 
     monkeypatch.setattr("torch._inductor.compile_fx.compile_fx", recording)
-    model, _, optimizer = _registered(context, mlp())
+    model, _, optimizer = registered_with_twin(context, mlp())
     data = classification_batches(1, 8, 12, 3)
     context.compile(
         training_step(model, optimizer, cross_entropy), data[0], options={"option_json": "O1"}
@@ -136,14 +125,14 @@ def test_the_gradient_is_computed_laid_out_as_its_weight(context, timing, monkey
 
 def test_where_the_stored_layout_was_faster_the_weight_stays_so(context, timing):
     timing["faster"] = "stored"
-    model, reference, optimizer = _registered(context, mlp())
+    model, reference, optimizer = registered_with_twin(context, mlp())
     data = classification_batches(3, 8, 12, 3)
     compiled = context.compile(
         training_step(model, optimizer, cross_entropy), data[0], options={"option_json": "O1"}
     )
     losses = [compiled(batch)["loss"].item() for batch in data]
     assert timing["cases"]
-    assert _device_value(context, model[0].weight).is_contiguous()
+    assert device_value(context, model[0].weight).is_contiguous()
     _assert_trained_as_eager(context, model, reference, optimizer, data, losses, cross_entropy)
 
 
@@ -154,21 +143,21 @@ def test_a_weight_read_otherwise_too_keeps_the_hosts_layout_untimed(context, tim
     def penalized(m, batch):
         return cross_entropy(m, batch) + 0.1 * m[0].weight[0].pow(2).sum()
 
-    model, reference, optimizer = _registered(context, mlp())
+    model, reference, optimizer = registered_with_twin(context, mlp())
     data = classification_batches(3, 8, 12, 3)
     compiled = context.compile(
         training_step(model, optimizer, penalized), data[0], options={"option_json": "O1"}
     )
     losses = [compiled(batch)["loss"].item() for batch in data]
     assert timing["cases"] == []
-    assert _device_value(context, model[0].weight).is_contiguous()
+    assert device_value(context, model[0].weight).is_contiguous()
     _assert_trained_as_eager(context, model, reference, optimizer, data, losses, penalized)
 
 
 def test_graphs_in_either_layout_share_the_weight_each_as_eager(context, timing):
     """A prediction compiled with the weight as stored, then a training step with it
     transposed: called in turn, each gets the weight laid out as it was compiled for."""
-    model, reference, optimizer = _registered(context, mlp())
+    model, reference, optimizer = registered_with_twin(context, mlp())
     data = classification_batches(3, 8, 12, 3)
 
     def predict(batch):
@@ -184,9 +173,9 @@ def test_graphs_in_either_layout_share_the_weight_each_as_eager(context, timing)
     reference_step = training_step(reference, make_sgd(reference.parameters()), cross_entropy)
     for batch in data:
         loss = train(batch)["loss"].item()
-        assert _device_value(context, model[0].weight).stride() == (1, 6)
+        assert device_value(context, model[0].weight).stride() == (1, 6)
         y = prediction({"x": batch["x"]})["y"]
-        assert _device_value(context, model[0].weight).is_contiguous()
+        assert device_value(context, model[0].weight).is_contiguous()
         torch.testing.assert_close(loss, reference_step(batch)["loss"].item(), rtol=0, atol=ATOL)
         with torch.no_grad():
             torch.testing.assert_close(y, reference(batch["x"]), rtol=0, atol=ATOL)
@@ -199,7 +188,7 @@ def test_a_trusted_load_takes_the_weight_as_its_compiled_code_does(
 ):
     """The codegen dir lists the state its compiled code takes transposed: a trusted load
     lays it out so without timing anything, and trains on from where the step left off."""
-    model, reference, optimizer = _registered(context, mlp())
+    model, reference, optimizer = registered_with_twin(context, mlp())
     data = classification_batches(4, 8, 12, 3)
     codegen = storage.path(tmp_path / "codegen")
     step = training_step(model, optimizer, cross_entropy)
@@ -215,7 +204,7 @@ def test_a_trusted_load_takes_the_weight_as_its_compiled_code_does(
     context.get_registered_value_proxy(model[0].weight).load_from(model[0].weight)
     loaded = context.load_codegen_dir(codegen, trust_compiled_code=True)
     losses += [loaded(batch)["loss"].item() for batch in data[2:]]
-    assert _device_value(context, model[0].weight).stride() == (1, 6)
+    assert device_value(context, model[0].weight).stride() == (1, 6)
     _assert_trained_as_eager(context, model, reference, optimizer, data, losses, cross_entropy)
 
 

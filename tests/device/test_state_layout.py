@@ -16,10 +16,11 @@ from mncore_device.runtime import executors
 from tests.device.device_testing import (
     assert_state_close,
     cross_entropy,
+    device_value,
     make_sgd,
-    register,
+    momentum_of,
+    registered_with_twin,
     training_step,
-    twin,
 )
 
 ATOL = 1e-5
@@ -58,35 +59,18 @@ def layout(monkeypatch):
     return chosen
 
 
-def _registered(context, model: nn.Module):
-    """`model` and its SGD-momentum optimizer registered with `context`, and an eager twin
-    of the model: (model, reference, optimizer)."""
-    reference = twin(model)
-    optimizer = make_sgd(model.parameters())
-    register(context, model, optimizer)
-    return model, reference, optimizer
-
-
-def _device_value(context, tensor: torch.Tensor) -> torch.Tensor:
-    return context.get_registered_value_proxy(tensor).cpu()
-
-
-def _momentum(optimizer, parameter):
-    return optimizer.state[parameter]["momentum_buffer"]
-
-
 def test_a_channels_last_graph_trains_its_convolution_state_laid_out_so(context, layout):
-    model, reference, optimizer = _registered(context, conv_net())
+    model, reference, optimizer = registered_with_twin(context, conv_net())
     step = training_step(model, optimizer, cross_entropy)
     data = batches(3)
     compiled = context.compile(step, data[0], options={"option_json": "O1"})
     losses = [compiled(batch)["loss"].item() for batch in data]
 
-    for tensor in (model[0].weight, model[3].weight, _momentum(optimizer, model[3].weight)):
-        value = _device_value(context, tensor)
+    for tensor in (model[0].weight, model[3].weight, momentum_of(optimizer, model[3].weight)):
+        value = device_value(context, tensor)
         assert value.is_contiguous(memory_format=torch.channels_last)
         assert not value.is_contiguous()
-    assert _device_value(context, model[7].weight).is_contiguous()  # 2-D: as stored
+    assert device_value(context, model[7].weight).is_contiguous()  # 2-D: as stored
 
     reference_optimizer = make_sgd(reference.parameters())
     reference_step = training_step(reference, reference_optimizer, cross_entropy)
@@ -97,7 +81,10 @@ def test_a_channels_last_graph_trains_its_convolution_state_laid_out_so(context,
     assert model[3].weight.is_contiguous()  # the host's tensors keep their own layout
     for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(
-            _momentum(optimizer, ours), _momentum(reference_optimizer, theirs), atol=ATOL, rtol=0
+            momentum_of(optimizer, ours),
+            momentum_of(reference_optimizer, theirs),
+            atol=ATOL,
+            rtol=0,
         )
 
 
@@ -106,7 +93,7 @@ def test_graphs_compiled_in_either_layout_share_the_state_each_as_eager(context,
     validation step before the first training step), then a training step in channels_last:
     called in turn, each gets the weights laid out as it was compiled for, and both compute
     what eager does."""
-    model, reference, optimizer = _registered(context, conv_net())
+    model, reference, optimizer = registered_with_twin(context, conv_net())
     data = batches(3)
 
     def evaluate(batch):
@@ -125,9 +112,9 @@ def test_graphs_compiled_in_either_layout_share_the_state_each_as_eager(context,
     reference_step = training_step(reference, make_sgd(reference.parameters()), cross_entropy)
     for batch in data:
         loss = train(batch)["loss"].item()
-        assert not _device_value(context, model[0].weight).is_contiguous()
+        assert not device_value(context, model[0].weight).is_contiguous()
         y = evaluation({"x": batch["x"]})["y"]
-        assert _device_value(context, model[0].weight).is_contiguous()
+        assert device_value(context, model[0].weight).is_contiguous()
         torch.testing.assert_close(loss, reference_step(batch)["loss"].item(), rtol=0, atol=ATOL)
         reference.eval()
         with torch.no_grad():
@@ -143,7 +130,7 @@ def test_a_trusted_load_lays_the_state_out_as_its_compiled_code_needs(
     """The codegen dir says which state its compiled code takes channels_last: a trusted
     load runs that code directly (without the compile that decided the layout) and lays
     the state out so, continuing the training where the compiled step left it."""
-    model, reference, optimizer = _registered(context, conv_net())
+    model, reference, optimizer = registered_with_twin(context, conv_net())
     step = training_step(model, optimizer, cross_entropy)
     data = batches(4)
     codegen = storage.path(tmp_path / "codegen")
@@ -164,7 +151,7 @@ def test_a_trusted_load_lays_the_state_out_as_its_compiled_code_needs(
     loaded = context.load_codegen_dir(codegen, trust_compiled_code=True)
     losses += [loaded(batch)["loss"].item() for batch in data[2:]]
     assert entries, "the trusted load ran the compiled entry itself"
-    assert not _device_value(context, model[0].weight).is_contiguous()
+    assert not device_value(context, model[0].weight).is_contiguous()
 
     reference_step = training_step(reference, make_sgd(reference.parameters()), cross_entropy)
     expected = [reference_step(batch)["loss"].item() for batch in data]
@@ -192,7 +179,7 @@ def test_a_channels_last_graph_computes_its_views_and_outputs_as_eager(context, 
     """The graph was traced with the weights laid out as on the host: a view that their
     channels_last layout would not allow computes the same values, and a feature map the
     step returns comes out contiguous, as on the host."""
-    model, reference, optimizer = _registered(context, FlattenNet())
+    model, reference, optimizer = registered_with_twin(context, FlattenNet())
 
     def step(batch):
         optimizer.zero_grad()
@@ -207,7 +194,7 @@ def test_a_channels_last_graph_computes_its_views_and_outputs_as_eager(context, 
     reference_optimizer = make_sgd(reference.parameters())
     for batch in data:
         out = compiled(batch)
-        assert not _device_value(context, model.conv.weight).is_contiguous()
+        assert not device_value(context, model.conv.weight).is_contiguous()
         reference_optimizer.zero_grad()
         logits, features = reference(batch["x"])
         loss = nn.functional.cross_entropy(logits, batch["t"])
@@ -223,7 +210,7 @@ def test_a_channels_last_graph_computes_its_views_and_outputs_as_eager(context, 
 def test_a_graph_that_reads_strides_keeps_the_state_as_on_the_host(context, layout):
     """`as_strided` reads a weight's memory through its strides: a graph with one takes the
     weights as the host lays them out, and computes what eager does."""
-    model, reference, optimizer = _registered(context, conv_net())
+    model, reference, optimizer = registered_with_twin(context, conv_net())
 
     def loss_fn(m, batch):
         taps = m[0].weight.as_strided((6, 18), (18, 1))  # the first 18 values of each filter
@@ -234,7 +221,7 @@ def test_a_graph_that_reads_strides_keeps_the_state_as_on_the_host(context, layo
         training_step(model, optimizer, loss_fn), data[0], options={"option_json": "O1"}
     )
     losses = [compiled(batch)["loss"].item() for batch in data]
-    assert _device_value(context, model[0].weight).is_contiguous()
+    assert device_value(context, model[0].weight).is_contiguous()
     reference_step = training_step(reference, make_sgd(reference.parameters()), loss_fn)
     expected = [reference_step(batch)["loss"].item() for batch in data]
     context.synchronize()
